@@ -1,0 +1,125 @@
+"""Backends: named bundles of parameter-free strategies, swapped into a model without touching
+its arrays.
+
+    model = dropless.with_backend(model, "ragged")
+    model = dropless.with_backend(model, Backend(dispatcher=SortDispatcher(), gmm=RaggedDot()))
+
+Names: "jnp" (the default: sort dispatch + chunked grouped matmul), "ragged" (sort dispatch +
+`jax.lax.ragged_dot`), "te" and its mixes (Transformer Engine, GPU), "ep" (XLA expert
+parallelism), and "auto" (TE on a GPU where it imports, jnp otherwise).
+"""
+
+import functools
+import importlib
+import warnings
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+
+from dropless.backends.jnp import ChunkedGroupedMatmul, RaggedDot, SortDispatcher
+from dropless.dispatch import AbstractDispatcher
+from dropless.experts import AbstractGroupedMatmul
+from dropless.routing import AbstractTopK, JnpTopK
+
+
+class Backend(eqx.Module):
+    """One strategy per stage. `topk=None` keeps whatever top-k the router has."""
+
+    dispatcher: AbstractDispatcher
+    gmm: AbstractGroupedMatmul
+    topk: AbstractTopK | None = None
+
+    @property
+    def requires_gpu(self) -> bool:
+        parts = (self.dispatcher, self.gmm, self.topk)
+        return any(getattr(type(p), "requires_gpu", False) for p in parts if p is not None)
+
+
+class BackendUnavailableError(ImportError):
+    """A backend was asked for by name but its dependencies or hardware are missing."""
+
+
+def _jnp() -> Backend:
+    return Backend(SortDispatcher(), ChunkedGroupedMatmul(), JnpTopK())
+
+
+def _ragged() -> Backend:
+    return Backend(SortDispatcher(), RaggedDot(), JnpTopK())
+
+
+def _lazy(module: str, factory: str) -> Callable[[], Backend]:
+    """A registry entry whose module (and its optional dependencies) loads on first use."""
+
+    def make() -> Backend:
+        return getattr(importlib.import_module(module), factory)()
+
+    return make
+
+
+BACKENDS: dict[str, Callable[[], Backend]] = {
+    "jnp": _jnp,
+    "ragged": _ragged,
+    "te": _lazy("dropless.backends.te", "te_backend"),
+    "te-gmm": _lazy("dropless.backends.te", "te_gmm_backend"),
+    "pallas": _lazy("dropless.backends.pallas", "pallas_backend"),
+    "ep": _lazy("dropless.backends.ep", "ep_backend"),
+}
+
+
+def _has_gpu() -> bool:
+    return any(d.platform == "gpu" for d in jax.devices())
+
+
+@functools.cache
+def _auto() -> Backend:
+    if _has_gpu():
+        try:
+            return BACKENDS["te"]()
+        except BackendUnavailableError as err:
+            warnings.warn(f"backend 'auto': {err}; falling back to 'jnp'", stacklevel=3)
+    return _jnp()
+
+
+def get_backend(backend: "str | Backend") -> Backend:
+    """A Backend from a registry name (or the Backend itself)."""
+    if isinstance(backend, Backend):
+        return backend
+    if backend == "auto":
+        return _auto()
+    if backend not in BACKENDS:
+        known = ", ".join(sorted([*BACKENDS, "auto"]))
+        raise ValueError(f"unknown backend {backend!r}; known backends: {known}")
+    return BACKENDS[backend]()
+
+
+def available_backends() -> list[str]:
+    """Names in the registry that load on this machine (dependencies and hardware present)."""
+    names = []
+    for name, make in BACKENDS.items():
+        try:
+            bundle = make()
+        except (BackendUnavailableError, ModuleNotFoundError):
+            continue
+        if not bundle.requires_gpu or _has_gpu():
+            names.append(name)
+    return names
+
+
+_STRATEGIES = (AbstractDispatcher, AbstractGroupedMatmul, AbstractTopK)
+
+
+def with_backend(model, backend: "str | Backend"):
+    """The same model (same arrays) with every MoE stage's strategy replaced by `backend`'s."""
+    bundle = get_backend(backend)
+
+    def swap(node):
+        if isinstance(node, AbstractDispatcher):
+            return bundle.dispatcher
+        if isinstance(node, AbstractGroupedMatmul):
+            return bundle.gmm
+        if isinstance(node, AbstractTopK) and bundle.topk is not None:
+            return bundle.topk
+        return node
+
+    return jax.tree_util.tree_map(swap, model, is_leaf=lambda node: isinstance(node, _STRATEGIES))

@@ -1,0 +1,198 @@
+"""Pure-jnp backend: runs anywhere, and is the default.
+
+- `SortDispatcher`: a stable sort of the `tokens * k` copies by expert id. Dispatch and combine
+  are gathers through a permutation and its inverse, forward *and* backward (a custom VJP), so
+  there are no scatter-add atomics and results are bit-for-bit deterministic.
+- `ChunkedGroupedMatmul`: walks the expert groups in fixed-size row chunks, one ordinary matmul
+  per chunk. FLOPs are those of the routed rows plus at most `chunk - 1` rows per expert, memory
+  is O(rows * width + experts * in * out), and the gradient is exact.
+- `RaggedDot`: `jax.lax.ragged_dot`, exact but dense-materialised by XLA today (a reference).
+"""
+
+import functools
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from dropless.dispatch import AbstractDispatcher, Dispatched
+from dropless.experts import AbstractGroupedMatmul
+
+
+@jax.custom_vjp
+def permute_rows(
+    x: Float[Array, "n dim"], perm: Int[Array, " n"], inverse: Int[Array, " n"]
+) -> Float[Array, "n dim"]:
+    """x[perm]; the gradient is the gather through `inverse` (no scatter)."""
+    return x[perm]
+
+
+def _permute_fwd(x, perm, inverse):
+    return x[perm], inverse
+
+
+def _permute_bwd(inverse, g):
+    return g[inverse], None, None
+
+
+permute_rows.defvjp(_permute_fwd, _permute_bwd)
+
+
+class SortPlan(eqx.Module):
+    order: Int[Array, " copies"]  # row r of the dispatched buffer holds copy order[r]
+    inverse: Int[Array, " copies"]  # copy c sits in row inverse[c]
+
+
+class SortDispatcher(AbstractDispatcher):
+    """Stable sort by expert id; ties keep token order, so the layout is deterministic."""
+
+    def _dispatch(self, x, routing):
+        tokens, k = routing.expert_ids.shape
+        n_experts = routing.scores.shape[-1]
+        flat_ids = routing.expert_ids.reshape(-1)
+        order = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
+        # Copy c is token c // k: broadcasting x to [tokens k dim] has a plain sum as transpose.
+        copies = jnp.broadcast_to(x[:, None, :], (tokens, k, x.shape[-1])).reshape(tokens * k, -1)
+        rows = permute_rows(copies, order, inverse)
+        group_sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
+        return Dispatched(rows=rows, group_sizes=group_sizes, plan=SortPlan(order, inverse))
+
+    def _combine(self, y_rows, dispatched, routing):
+        tokens, k = routing.expert_ids.shape
+        plan = dispatched.plan
+        y_copies = permute_rows(y_rows, plan.inverse, plan.order).reshape(tokens, k, -1)
+        y = jnp.einsum("tkd,tk->td", y_copies.astype(jnp.float32), routing.weights)
+        return y.astype(y_rows.dtype)
+
+
+def default_chunk(rows: int, n_experts: int) -> int:
+    """A power of two near a quarter of the mean group size, in [16, 512]: big enough for an
+    efficient matmul, small enough that the padding per expert (< chunk rows) stays cheap."""
+    mean = max(rows // max(n_experts, 1), 1)
+    return int(min(512, max(16, 2 ** math.floor(math.log2(max(mean // 4, 1))))))
+
+
+def _group_starts(group_sizes: Int[Array, " experts"]) -> Int[Array, " experts"]:
+    return jnp.cumsum(group_sizes) - group_sizes
+
+
+def _for_each_chunk(group_sizes, chunk, body, carry):
+    """Calls body(expert, start_row, valid_mask, carry) for each chunk of each group, in order.
+
+    The trip counts are data-dependent (while loops), so only chunks holding routed rows run.
+    """
+    starts = _group_starts(group_sizes)
+    offsets = jnp.arange(chunk)
+
+    def per_expert(e, carry):
+        size = group_sizes[e]
+
+        def per_chunk(c, carry):
+            valid = offsets < size - c * chunk
+            return body(e, starts[e] + c * chunk, valid, carry)
+
+        return jax.lax.fori_loop(0, (size + chunk - 1) // chunk, per_chunk, carry)
+
+    return jax.lax.fori_loop(0, group_sizes.shape[0], per_expert, carry)
+
+
+def _pad_rows(x: Array, chunk: int) -> Array:
+    # A chunk may start near the end of the buffer; pad so every slice stays in bounds.
+    return jnp.pad(x, ((0, chunk), (0, 0)))
+
+
+def _chunked_matmul(lhs, rhs, group_sizes, chunk, contract_rhs_dim):
+    """out[r] = lhs[r] @ rhs[e] (contract_rhs_dim=1) or lhs[r] @ rhs[e].T (=2), per chunk."""
+    rows, width = lhs.shape
+    out_width = rhs.shape[3 - contract_rhs_dim]
+    lhs_p = _pad_rows(lhs, chunk)
+    dims = (((1,), (contract_rhs_dim - 1,)), ((), ()))
+
+    def body(e, start, valid, out):
+        x = jax.lax.dynamic_slice(lhs_p, (start, 0), (chunk, width))
+        y = jax.lax.dot_general(x, rhs[e], dims, preferred_element_type=jnp.float32)
+        old = jax.lax.dynamic_slice(out, (start, 0), (chunk, out_width))
+        new = jnp.where(valid[:, None], y.astype(out.dtype), old)
+        return jax.lax.dynamic_update_slice(out, new, (start, 0))
+
+    out = jnp.zeros((rows + chunk, out_width), lhs.dtype)
+    return _for_each_chunk(group_sizes, chunk, body, out)[:rows]
+
+
+def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, n_experts):
+    """d rhs[e] = sum over rows r of group e of outer(lhs[r], grad_out[r]), accumulated in f32
+    per expert and written once: no atomics, deterministic."""
+    width, out_width = lhs.shape[1], grad_out.shape[1]
+    lhs_p, grad_p = _pad_rows(lhs, chunk), _pad_rows(grad_out, chunk)
+    starts = _group_starts(group_sizes)
+    offsets = jnp.arange(chunk)
+
+    def per_expert(e, drhs):
+        size = group_sizes[e]
+
+        def per_chunk(c, acc):
+            start = starts[e] + c * chunk
+            valid = offsets < size - c * chunk
+            x = jnp.where(
+                valid[:, None], jax.lax.dynamic_slice(lhs_p, (start, 0), (chunk, width)), 0
+            )
+            g = jax.lax.dynamic_slice(grad_p, (start, 0), (chunk, out_width))
+            return acc + jax.lax.dot_general(
+                x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+
+        acc = jnp.zeros((width, out_width), jnp.float32)
+        acc = jax.lax.fori_loop(0, (size + chunk - 1) // chunk, per_chunk, acc)
+        return jax.lax.dynamic_update_index_in_dim(drhs, acc.astype(drhs.dtype), e, 0)
+
+    drhs = jnp.zeros((n_experts, width, out_width), lhs.dtype)
+    return jax.lax.fori_loop(0, n_experts, per_expert, drhs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def chunked_grouped_matmul(
+    lhs: Float[Array, "rows in_"],
+    rhs: Float[Array, "experts in_ out"],
+    group_sizes: Int[Array, " experts"],
+    chunk: int,
+) -> Float[Array, "rows out"]:
+    """The grouped matmul of `ChunkedGroupedMatmul`, with its exact hand-written gradient."""
+    return _chunked_matmul(lhs, rhs, group_sizes, chunk, contract_rhs_dim=1)
+
+
+def _cgmm_fwd(lhs, rhs, group_sizes, chunk):
+    return chunked_grouped_matmul(lhs, rhs, group_sizes, chunk), (lhs, rhs, group_sizes)
+
+
+def _cgmm_bwd(chunk, res, g):
+    lhs, rhs, group_sizes = res
+    g = g.astype(lhs.dtype)
+    dlhs = _chunked_matmul(g, rhs, group_sizes, chunk, contract_rhs_dim=2)
+    drhs = _chunked_weight_grad(lhs, g, group_sizes, chunk, rhs.shape[0])
+    return dlhs, drhs.astype(rhs.dtype), None
+
+
+chunked_grouped_matmul.defvjp(_cgmm_fwd, _cgmm_bwd)
+
+
+class ChunkedGroupedMatmul(AbstractGroupedMatmul):
+    """The default grouped matmul: fixed-size chunks of each group, one matmul each.
+
+    `chunk=None` picks a size from the static shapes (`default_chunk`).
+    """
+
+    chunk: int | None = eqx.field(default=None, static=True)
+
+    def _impl(self, lhs, rhs, group_sizes):
+        chunk = self.chunk or default_chunk(lhs.shape[0], rhs.shape[0])
+        return chunked_grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32), chunk)
+
+
+class RaggedDot(AbstractGroupedMatmul):
+    """`jax.lax.ragged_dot`: exact; XLA lowers it to a dense contraction over all experts."""
+
+    def _impl(self, lhs, rhs, group_sizes):
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32))

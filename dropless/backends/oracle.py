@@ -1,0 +1,44 @@
+"""Dense one-hot references: slow (O(tokens * experts)), obviously right, used only by tests.
+
+Each optimised path has its "equivalent to" here, and tests hold the two together, forward and
+gradient.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from dropless.experts import AbstractGroupedMatmul
+from dropless.moe import MoE
+
+
+def expert_of_row(group_sizes: Int[Array, " experts"], rows: int) -> Int[Array, " rows"]:
+    """The expert owning each row; rows past sum(group_sizes) get `experts` (none)."""
+    return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
+
+
+class OneHotGroupedMatmul(AbstractGroupedMatmul):
+    """Every row times every expert's matrix, masked to its own expert."""
+
+    def _impl(self, lhs, rhs, group_sizes):
+        owner = jax.nn.one_hot(
+            expert_of_row(group_sizes, lhs.shape[0]), rhs.shape[0], dtype=lhs.dtype
+        )
+        return jnp.einsum("re,rd,edo->ro", owner, lhs, rhs)
+
+
+def oracle_moe(moe: MoE, x: Float[Array, "tokens dim"]) -> Float[Array, "tokens dim"]:
+    """y[t] = sum_k w[t,k] * FFN_{e[t,k]}(x[t]) (+ shared experts), every expert on every token."""
+    routing = moe.router(x)
+    n_experts = routing.scores.shape[-1]
+    # combine_weights[t, e] = weight of expert e for token t (0 when not chosen)
+    one_hot = jax.nn.one_hot(routing.expert_ids, n_experts, dtype=jnp.float32)
+    combine_weights = jnp.einsum("tke,tk->te", one_hot, routing.weights)
+    ex = moe.experts
+    gate = jnp.einsum("td,edh->teh", x, ex.w_gate.astype(x.dtype))
+    up = jnp.einsum("td,edh->teh", x, ex.w_up.astype(x.dtype))
+    out = jnp.einsum("teh,ehd->ted", jax.nn.silu(gate) * up, ex.w_down.astype(x.dtype))
+    y = jnp.einsum("ted,te->td", out.astype(jnp.float32), combine_weights).astype(x.dtype)
+    if moe.shared is not None:
+        y = y + moe.shared(x)
+    return y

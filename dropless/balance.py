@@ -1,0 +1,68 @@
+"""Load balancing: auxiliary losses, routing statistics and the aux-loss-free bias update."""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from dropless.routing import Routing
+
+
+def tokens_per_expert(
+    expert_ids: Int[Array, "tokens k"], n_experts: int
+) -> Float[Array, " experts"]:
+    """How many (token, expert) copies each expert receives."""
+    return jnp.zeros((n_experts,), jnp.float32).at[expert_ids.reshape(-1)].add(1.0)
+
+
+def max_violation(counts: Float[Array, " experts"]) -> Float[Array, ""]:
+    """MaxVio: max load over mean load, minus one (0 for perfect balance)."""
+    return counts.max() / jnp.maximum(counts.mean(), 1e-9) - 1.0
+
+
+def _normalised_scores(scores: Float[Array, "tokens experts"]) -> Float[Array, "tokens experts"]:
+    # Sigmoid scores do not sum to one; DeepSeek-V3 normalises them per token for the loss.
+    return scores / (scores.sum(-1, keepdims=True) + 1e-20)
+
+
+def batch_balance_loss(routing: Routing) -> Float[Array, ""]:
+    """Switch-Transformer load-balancing loss over the whole batch: E * sum_i f_i * P_i.
+
+    f_i is the fraction of copies sent to expert i, P_i the mean normalised score; 1 when balanced.
+    """
+    n_experts = routing.scores.shape[-1]
+    f = tokens_per_expert(routing.expert_ids, n_experts) / routing.expert_ids.size
+    p = _normalised_scores(routing.scores).mean(0)
+    return n_experts * jnp.sum(jax.lax.stop_gradient(f) * p)
+
+
+def sequence_balance_loss(routing: Routing, seq_len: int) -> Float[Array, ""]:
+    """DeepSeek-V3's sequence-wise balance loss: the batch loss within each sequence, averaged.
+
+    Tokens are taken in order as consecutive sequences of `seq_len` positions.
+    """
+    tokens, n_experts = routing.scores.shape
+    if tokens % seq_len:
+        raise ValueError(f"seq_len ({seq_len}) must divide the number of tokens ({tokens})")
+    k = routing.expert_ids.shape[-1]
+    ids = routing.expert_ids.reshape(-1, seq_len, k)
+    one_hot = jax.nn.one_hot(ids, n_experts, dtype=jnp.float32).sum(2)  # [seqs seq experts]
+    f = one_hot.sum(1) * n_experts / (k * seq_len)
+    p = _normalised_scores(routing.scores).reshape(-1, seq_len, n_experts).mean(1)
+    return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * p, -1))
+
+
+def router_z_loss(logits: Float[Array, "tokens experts"]) -> Float[Array, ""]:
+    """ST-MoE router z-loss: mean squared log-partition of the router logits."""
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+
+
+def update_expert_bias(
+    bias: Float[Array, "*layers experts"],
+    tokens_per_expert: Float[Array, "*layers experts"],
+    rate: float,
+) -> Float[Array, "*layers experts"]:
+    """Aux-loss-free balancing (DeepSeek-V3): raise the bias of under-loaded experts, lower the
+    bias of over-loaded ones, by `rate` each step. Works on stacked layers too; never a gradient."""
+    load = jax.lax.stop_gradient(tokens_per_expert)
+    error = load.mean(-1, keepdims=True) - load
+    return jax.lax.stop_gradient(bias + rate * jnp.sign(error).astype(bias.dtype))

@@ -1,0 +1,63 @@
+"""Dispatch and combine: moving token copies into expert-contiguous rows and back.
+
+A dispatcher is a parameter-free strategy with two methods that form an inverse pair sharing a
+`plan`: `dispatch` lays the `tokens * k` copies out so each expert's rows are contiguous (counted
+by `group_sizes`), `combine` brings the expert outputs back and takes the weighted sum over k.
+"""
+
+import abc
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Float, Int
+
+from dropless.routing import Routing
+
+
+class Dispatched(eqx.Module):
+    """Expert-contiguous rows: rows [0, group_sizes[0]) belong to expert 0, and so on.
+
+    `rows` may be longer than `sum(group_sizes)` (a static bound); the tail is padding whose
+    outputs `combine` ignores. `plan` is whatever the dispatcher needs to invert itself.
+    `dropped` is None for dispatchers that cannot drop (all of them, unless a user shrinks an
+    expert-parallel receive buffer below the worst case).
+    """
+
+    rows: Float[Array, "rows dim"]
+    group_sizes: Int[Array, " experts"]
+    plan: Any
+    dropped: Float[Array, ""] | None = None  # copies an undersized EP buffer could not hold
+
+
+class AbstractDispatcher(eqx.Module):
+    """Dispatch + combine. Backends fill in `_dispatch` and `_combine`."""
+
+    supports_expert_parallel: ClassVar[bool] = False
+    requires_gpu: ClassVar[bool] = False
+
+    def dispatch(self, x: Float[Array, "tokens dim"], routing: Routing) -> Dispatched:
+        if routing.expert_ids.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"routing has {routing.expert_ids.shape[0]} tokens but x has {x.shape[0]}"
+            )
+        with jax.named_scope("dispatch"):
+            return self._dispatch(x, routing)
+
+    def combine(
+        self, y_rows: Float[Array, "rows dim"], dispatched: Dispatched, routing: Routing
+    ) -> Float[Array, "tokens dim"]:
+        if y_rows.shape[0] != dispatched.rows.shape[0]:
+            raise ValueError(
+                f"combine got {y_rows.shape[0]} rows, dispatch made {dispatched.rows.shape[0]}"
+            )
+        with jax.named_scope("combine"):
+            return self._combine(y_rows, dispatched, routing)
+
+    @abc.abstractmethod
+    def _dispatch(self, x: Float[Array, "tokens dim"], routing: Routing) -> Dispatched: ...
+
+    @abc.abstractmethod
+    def _combine(
+        self, y_rows: Float[Array, "rows dim"], dispatched: Dispatched, routing: Routing
+    ) -> Float[Array, "tokens dim"]: ...

@@ -1,0 +1,81 @@
+"""Grouped experts: one SwiGLU per expert, applied to expert-contiguous rows.
+
+The arithmetic on ragged groups is a strategy (`AbstractGroupedMatmul`), so a backend can swap in
+Transformer Engine's grouped GEMM or a Pallas kernel while the weights stay where they are.
+"""
+
+import abc
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from dropless.nn.mlp import init_linear
+
+
+class AbstractGroupedMatmul(eqx.Module):
+    """out[r] = lhs[r] @ rhs[e] for every row r in group e; rows past sum(group_sizes) are
+    padding and come out as zeros (or anything finite: callers ignore them)."""
+
+    requires_gpu: ClassVar[bool] = False
+
+    def __call__(
+        self,
+        lhs: Float[Array, "rows in_"],
+        rhs: Float[Array, "experts in_ out"],
+        group_sizes: Int[Array, " experts"],
+    ) -> Float[Array, "rows out"]:
+        if lhs.shape[1] != rhs.shape[1]:
+            raise ValueError(f"lhs width {lhs.shape[1]} != rhs input width {rhs.shape[1]}")
+        if group_sizes.shape[0] != rhs.shape[0]:
+            raise ValueError(
+                f"group_sizes has {group_sizes.shape[0]} groups, rhs has {rhs.shape[0]} experts"
+            )
+        return self._impl(lhs, rhs, group_sizes)
+
+    @abc.abstractmethod
+    def _impl(
+        self,
+        lhs: Float[Array, "rows in_"],
+        rhs: Float[Array, "experts in_ out"],
+        group_sizes: Int[Array, " experts"],
+    ) -> Float[Array, "rows out"]: ...
+
+
+class GroupedExperts(eqx.Module):
+    """SwiGLU experts with weights in one canonical layout, whatever the strategy."""
+
+    w_gate: Float[Array, "experts dim hidden"]
+    w_up: Float[Array, "experts dim hidden"]
+    w_down: Float[Array, "experts hidden dim"]
+    gmm: AbstractGroupedMatmul
+
+    def __init__(
+        self,
+        n_experts: int,
+        dim: int,
+        hidden: int,
+        *,
+        gmm: AbstractGroupedMatmul,
+        dtype=jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        k_gate, k_up, k_down = jax.random.split(key, 3)
+        self.w_gate = init_linear(k_gate, (n_experts, dim, hidden), dim, dtype)
+        self.w_up = init_linear(k_up, (n_experts, dim, hidden), dim, dtype)
+        self.w_down = init_linear(k_down, (n_experts, hidden, dim), hidden, dtype)
+        self.gmm = gmm
+
+    def __call__(
+        self, rows: Float[Array, "rows dim"], group_sizes: Int[Array, " experts"]
+    ) -> Float[Array, "rows dim"]:
+        with jax.named_scope("experts"):
+            dt = rows.dtype
+            hidden = self.w_gate.shape[-1]
+            # One grouped matmul for gate and up: the rows are read once, the loop runs once.
+            w_gate_up = jnp.concatenate([self.w_gate, self.w_up], axis=-1).astype(dt)
+            gate_up = self.gmm(rows, w_gate_up, group_sizes)
+            h = jax.nn.silu(gate_up[:, :hidden]) * gate_up[:, hidden:]
+            return self.gmm(h, self.w_down.astype(dt), group_sizes)

@@ -1,0 +1,95 @@
+"""The dropless Mixture-of-Experts layer: route -> dispatch -> experts -> combine (+ shared)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from dropless import balance
+from dropless.dispatch import AbstractDispatcher
+from dropless.experts import GroupedExperts
+from dropless.nn.mlp import SwiGLU
+from dropless.routing import Routing, RoutingSpec, TopKRouter
+
+
+class MoEStats(eqx.Module):
+    """What one MoE call reports besides its output. Losses are unweighted; the trainer weighs."""
+
+    tokens_per_expert: Float[Array, " experts"]
+    max_vio: Float[Array, ""]
+    balance_loss: Float[Array, ""]  # Switch-style, over the whole batch
+    seq_balance_loss: Float[Array, ""]  # DeepSeek-V3 sequence-wise
+    z_loss: Float[Array, ""]
+    dropped: Float[Array, ""]  # copies not computed (always 0 unless an EP buffer overflowed)
+
+
+def routing_stats(
+    routing: Routing, seq_len: int | None = None, dropped: Float[Array, ""] | None = None
+) -> MoEStats:
+    """Statistics and auxiliary losses of one routing decision."""
+    tokens, n_experts = routing.scores.shape
+    counts = balance.tokens_per_expert(routing.expert_ids, n_experts)
+    return MoEStats(
+        tokens_per_expert=counts,
+        max_vio=balance.max_violation(counts),
+        balance_loss=balance.batch_balance_loss(routing),
+        seq_balance_loss=balance.sequence_balance_loss(routing, seq_len or tokens),
+        z_loss=balance.router_z_loss(routing.logits),
+        dropped=jnp.zeros((), jnp.float32) if dropped is None else dropped.astype(jnp.float32),
+    )
+
+
+class MoE(eqx.Module):
+    """DeepSeekMoE layer on flat tokens: routed experts (dropless) plus optional shared experts.
+
+    Every strategy (router top-k, dispatcher, grouped matmul) is swappable with
+    `dropless.with_backend` without touching any array.
+    """
+
+    router: TopKRouter
+    experts: GroupedExperts
+    shared: SwiGLU | None
+    dispatcher: AbstractDispatcher
+
+    def __init__(
+        self,
+        dim: int,
+        moe_intermediate_size: int,
+        spec: RoutingSpec,
+        *,
+        n_shared_experts: int = 0,
+        dtype=jnp.float32,
+        backend="jnp",
+        key: PRNGKeyArray,
+    ):
+        from dropless.backends import get_backend  # the registry imports this module
+
+        bundle = get_backend(backend)
+        k_router, k_experts, k_shared = jax.random.split(key, 3)
+        self.router = TopKRouter(dim, spec, dtype=dtype, topk=bundle.topk, key=k_router)
+        self.experts = GroupedExperts(
+            spec.n_routed_experts,
+            dim,
+            moe_intermediate_size,
+            gmm=bundle.gmm,
+            dtype=dtype,
+            key=k_experts,
+        )
+        self.shared = (
+            SwiGLU(dim, moe_intermediate_size * n_shared_experts, dtype=dtype, key=k_shared)
+            if n_shared_experts
+            else None
+        )
+        self.dispatcher = bundle.dispatcher
+
+    def __call__(
+        self, x: Float[Array, "tokens dim"], *, seq_len: int | None = None
+    ) -> tuple[Float[Array, "tokens dim"], MoEStats]:
+        """`seq_len` groups tokens into sequences for the sequence-wise balance loss."""
+        routing = self.router(x)
+        dispatched = self.dispatcher.dispatch(x, routing)
+        y_rows = self.experts(dispatched.rows, dispatched.group_sizes)
+        y = self.dispatcher.combine(y_rows, dispatched, routing)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y, routing_stats(routing, seq_len, dispatched.dropped)

@@ -1,0 +1,207 @@
+"""Routing: which experts each token visits, and with what weight.
+
+`TopKRouter` owns the router weights and the (selection-only) expert bias; the top-k itself is a
+parameter-free strategy (`AbstractTopK`) so a backend can swap in a fused kernel.
+"""
+
+import abc
+import dataclasses
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+ScoringFunc = Literal["softmax", "sigmoid", "sqrtsoftplus"]
+GroupScore = Literal["top2_sum", "max"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingSpec:
+    """Static routing settings, named as in Hugging Face DeepSeek configs.
+
+    - `scoring_func`: affinity from logits: softmax over experts, sigmoid, or sqrt(softplus).
+    - `n_group`, `topk_group`: group-limited routing; experts split into `n_group` equal groups,
+      only the best `topk_group` groups are eligible. `group_score` ranks groups by the sum of
+      their two best scores (DeepSeek-V3, "top2_sum") or their best score (DeepSeek-V2, "max").
+    - `use_expert_bias`: a per-expert bias added to scores for *selection only* (aux-loss-free).
+    - `norm_topk_prob`: renormalise the k weights to sum to one, then scale by
+      `routed_scaling_factor` (the scaling applies either way, as in DeepSeek-V3).
+    - `softmax_before_topk`: for softmax scoring, pick top-k of the softmax (DeepSeek) or
+      softmax over the top-k logits (Mixtral); the latter always sums to one.
+    """
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    scoring_func: ScoringFunc = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: GroupScore = "top2_sum"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    use_expert_bias: bool = False
+    softmax_before_topk: bool = True
+
+    def __post_init__(self):
+        e, k = self.n_routed_experts, self.num_experts_per_tok
+        if e < 1:
+            raise ValueError(f"n_routed_experts ({e}) must be >= 1")
+        if not 1 <= k <= e:
+            raise ValueError(f"num_experts_per_tok ({k}) must be in [1, n_routed_experts={e}]")
+        if self.scoring_func not in ("softmax", "sigmoid", "sqrtsoftplus"):
+            raise ValueError(
+                f"scoring_func ({self.scoring_func!r}) must be one of "
+                "'softmax', 'sigmoid', 'sqrtsoftplus'"
+            )
+        if self.group_score not in ("top2_sum", "max"):
+            raise ValueError(f"group_score ({self.group_score!r}) must be 'top2_sum' or 'max'")
+        if self.n_group < 1 or e % self.n_group:
+            raise ValueError(
+                f"n_routed_experts ({e}) must be divisible by n_group ({self.n_group}), "
+                "and n_group must be >= 1"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(
+                f"topk_group ({self.topk_group}) must be in [1, n_group={self.n_group}]"
+            )
+        per_group = e // self.n_group
+        if k > self.topk_group * per_group:
+            raise ValueError(
+                f"num_experts_per_tok ({k}) must be <= topk_group * experts per group "
+                f"({self.topk_group} * {per_group}): not enough eligible experts"
+            )
+        if self.group_score == "top2_sum" and self.n_group > 1 and per_group < 2:
+            raise ValueError(
+                f"group_score 'top2_sum' needs >= 2 experts per group, got {per_group} "
+                f"(n_routed_experts={e}, n_group={self.n_group}); use group_score='max'"
+            )
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"routed_scaling_factor ({self.routed_scaling_factor}) must be > 0")
+
+
+class Routing(eqx.Module):
+    """The routing decision for a batch of tokens."""
+
+    expert_ids: Int[Array, "tokens k"]
+    weights: Float[Array, "tokens k"]
+    scores: Float[Array, "tokens experts"]  # affinities after the score function, without bias
+    logits: Float[Array, "tokens experts"]  # raw router logits (z-loss reads these)
+
+
+class AbstractTopK(eqx.Module):
+    """Turns router logits into a `Routing`: score function, group limit, bias, top-k, weights."""
+
+    def __call__(
+        self,
+        logits: Float[Array, "tokens experts"],
+        bias: Float[Array, " experts"] | None,
+        spec: RoutingSpec,
+    ) -> Routing:
+        if logits.shape[-1] != spec.n_routed_experts:
+            raise ValueError(
+                f"router logits have {logits.shape[-1]} experts, spec.n_routed_experts is "
+                f"{spec.n_routed_experts}"
+            )
+        return self._impl(logits, bias, spec)
+
+    @abc.abstractmethod
+    def _impl(
+        self,
+        logits: Float[Array, "tokens experts"],
+        bias: Float[Array, " experts"] | None,
+        spec: RoutingSpec,
+    ) -> Routing: ...
+
+
+def score(
+    logits: Float[Array, "tokens experts"], scoring_func: ScoringFunc
+) -> Float[Array, "tokens experts"]:
+    """Affinity of each token for each expert."""
+    if scoring_func == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    if scoring_func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    return jnp.sqrt(jax.nn.softplus(logits))
+
+
+def _top_k(values: Float[Array, "tokens n"], k: int) -> Int[Array, "tokens k"]:
+    # lax.top_k is stable: equal values come out lowest index first, so ties go to the
+    # lowest expert (or group) id, deterministically.
+    return jax.lax.top_k(values, k)[1]
+
+
+class JnpTopK(AbstractTopK):
+    """Reference top-k in plain jnp; also the default everywhere."""
+
+    def _impl(self, logits, bias, spec):
+        scores = score(logits, spec.scoring_func)
+        # Mixtral-style routing ranks raw logits and softmaxes only the chosen k.
+        softmax_after = spec.scoring_func == "softmax" and not spec.softmax_before_topk
+        choice = logits if softmax_after else scores
+        if bias is not None:
+            choice = choice + bias
+        choice = jax.lax.stop_gradient(choice)  # selection is discrete: no gradient flows here
+        if spec.n_group > 1:
+            choice = _limit_to_top_groups(choice, spec)
+        ids = _top_k(choice, spec.num_experts_per_tok)
+        if softmax_after:
+            weights = jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
+        else:
+            weights = jnp.take_along_axis(scores, ids, axis=-1)
+            if spec.norm_topk_prob:
+                weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        weights = weights * spec.routed_scaling_factor
+        return Routing(
+            expert_ids=ids.astype(jnp.int32), weights=weights, scores=scores, logits=logits
+        )
+
+
+def _limit_to_top_groups(
+    choice: Float[Array, "tokens experts"], spec: RoutingSpec
+) -> Float[Array, "tokens experts"]:
+    """Sets every expert outside the best `topk_group` groups to -inf."""
+    tokens = choice.shape[0]
+    grouped = choice.reshape(tokens, spec.n_group, -1)
+    if spec.group_score == "max":
+        group_scores = grouped.max(-1)
+    else:
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+    keep = _top_k(group_scores, spec.topk_group)
+    group_mask = jax.nn.one_hot(keep, spec.n_group, dtype=jnp.int32).sum(1) > 0
+    return jnp.where(group_mask[:, :, None], grouped, -jnp.inf).reshape(choice.shape)
+
+
+class TopKRouter(eqx.Module):
+    """Linear router over `experts`, with an optional selection-only `expert_bias`.
+
+    Logits are computed in float32 whatever the input dtype (routing is precision-sensitive).
+    The bias is updated outside the gradient by `dropless.balance.update_expert_bias`.
+    """
+
+    w_router: Float[Array, "experts dim"]
+    expert_bias: Float[Array, " experts"] | None
+    spec: RoutingSpec = eqx.field(static=True)
+    topk: AbstractTopK = JnpTopK()
+
+    def __init__(
+        self,
+        dim: int,
+        spec: RoutingSpec,
+        *,
+        dtype=jnp.float32,
+        topk: AbstractTopK | None = None,
+        key: PRNGKeyArray,
+    ):
+        self.spec = spec
+        std = dim**-0.5
+        self.w_router = (std * jax.random.normal(key, (spec.n_routed_experts, dim))).astype(dtype)
+        self.expert_bias = (
+            jnp.zeros((spec.n_routed_experts,), jnp.float32) if spec.use_expert_bias else None
+        )
+        self.topk = JnpTopK() if topk is None else topk
+
+    def __call__(self, x: Float[Array, "tokens dim"]) -> Routing:
+        with jax.named_scope("route"):
+            logits = x.astype(jnp.float32) @ self.w_router.astype(jnp.float32).T
+            return self.topk(logits, self.expert_bias, self.spec)

@@ -1,0 +1,25 @@
+"""The glossary of dimension names used in every jaxtyping annotation.
+
+jaxtyping prints these names in its errors, so each size that code reasons about gets a word of
+its own. docs/conventions.md carries the same table.
+"""
+
+GLOSSARY: dict[str, str] = {
+    "batch": "sequences in a batch",
+    "seq": "positions in a sequence",
+    "tokens": "flattened batch * seq positions: the MoE layer's unit of work",
+    "dim": "model (residual stream) width, `hidden_size` in Hugging Face configs",
+    "hidden": "inner width of a SwiGLU feed-forward network (`intermediate_size`, "
+    "`moe_intermediate_size`)",
+    "experts": "routed experts (`n_routed_experts`), or the experts held by one device under EP",
+    "k": "experts chosen per token (`num_experts_per_tok`)",
+    "copies": "tokens * k: one row per (token, chosen expert) pair",
+    "rows": "rows of an expert-contiguous buffer, >= the copies it holds (padding, EP buffers)",
+    "groups": "expert groups for group-limited routing (`n_group`)",
+    "heads": "attention heads",
+    "vocab": "vocabulary size",
+    "layers": "stacked (scanned) decoder layers",
+    "depth": "multi-token-prediction modules (`num_nextn_predict_layers`)",
+    "in_": "input width of a grouped matmul",
+    "out": "output width of a grouped matmul",
+}
