@@ -122,7 +122,9 @@ def score(
         return jax.nn.softmax(logits, axis=-1)
     if scoring_func == "sigmoid":
         return jax.nn.sigmoid(logits)
-    return jnp.sqrt(jax.nn.softplus(logits))
+    # softplus underflows to 0 for very negative logits, where sqrt has an infinite slope: floor
+    # it at the smallest normal float so unchosen experts never turn gradients into NaN.
+    return jnp.sqrt(jnp.maximum(jax.nn.softplus(logits), jnp.finfo(logits.dtype).tiny))
 
 
 def _top_k(values: Float[Array, "tokens n"], k: int) -> Int[Array, "tokens k"]:

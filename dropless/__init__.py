@@ -1,0 +1,56 @@
+"""dropless: dropless Mixture-of-Experts training in JAX.
+
+The MoE pipeline, stage by stage: `TopKRouter` -> `AbstractDispatcher.dispatch` ->
+`GroupedExperts` -> `AbstractDispatcher.combine`, assembled by `MoE`. Strategies for each stage
+are swapped with `with_backend(model, name_or_backend)`.
+"""
+
+from dropless.backends import (
+    BACKENDS,
+    Backend,
+    BackendUnavailableError,
+    available_backends,
+    get_backend,
+    with_backend,
+)
+from dropless.balance import (
+    batch_balance_loss,
+    max_violation,
+    router_z_loss,
+    sequence_balance_loss,
+    tokens_per_expert,
+    update_expert_bias,
+)
+from dropless.dispatch import AbstractDispatcher, Dispatched
+from dropless.experts import AbstractGroupedMatmul, GroupedExperts
+from dropless.moe import MoE, MoEStats, routing_stats
+from dropless.nn.mlp import SwiGLU
+from dropless.routing import AbstractTopK, JnpTopK, Routing, RoutingSpec, TopKRouter
+
+__all__ = [
+    "BACKENDS",
+    "AbstractDispatcher",
+    "AbstractGroupedMatmul",
+    "AbstractTopK",
+    "Backend",
+    "BackendUnavailableError",
+    "Dispatched",
+    "GroupedExperts",
+    "JnpTopK",
+    "MoE",
+    "MoEStats",
+    "Routing",
+    "RoutingSpec",
+    "SwiGLU",
+    "TopKRouter",
+    "available_backends",
+    "batch_balance_loss",
+    "get_backend",
+    "max_violation",
+    "router_z_loss",
+    "routing_stats",
+    "sequence_balance_loss",
+    "tokens_per_expert",
+    "update_expert_bias",
+    "with_backend",
+]

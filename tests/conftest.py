@@ -1,0 +1,52 @@
+"""Test-wide settings: 8 emulated CPU devices (for expert parallelism), hypothesis profiles,
+the `gpu` marker, and the one list of backends under test."""
+
+import os
+
+# Must happen before jax is imported anywhere.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    max_examples=20,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    print_blob=True,
+)
+settings.register_profile(
+    "dev",
+    deadline=None,
+    max_examples=400,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile(os.environ.get("DROPLESS_HYPOTHESIS_PROFILE", "ci"))
+
+
+def has_gpu() -> bool:
+    return any(d.platform == "gpu" for d in jax.devices())
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def backends_under_test() -> list[str]:
+    """Every single-device backend that loads here ("ep" needs a mesh: tested on its own)."""
+    from dropless.backends import available_backends
+
+    return [name for name in available_backends() if name not in ("ep", "nccl_ep")]
+
+
+def pytest_generate_tests(metafunc):
+    if "backend_name" in metafunc.fixturenames:
+        metafunc.parametrize("backend_name", backends_under_test())

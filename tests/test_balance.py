@@ -1,0 +1,77 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless import balance
+from dropless.routing import JnpTopK, Routing, RoutingSpec
+
+
+def make_routing(ids, scores):
+    ids = jnp.asarray(ids, jnp.int32)
+    scores = jnp.asarray(scores, jnp.float32)
+    w = jnp.take_along_axis(scores, ids, -1)
+    return Routing(expert_ids=ids, weights=w, scores=scores, logits=jnp.log(scores))
+
+
+def test_counts_and_maxvio():
+    counts = balance.tokens_per_expert(jnp.array([[0, 1], [0, 2], [0, 1]]), 4)
+    np.testing.assert_array_equal(counts, [3, 2, 1, 0])
+    np.testing.assert_allclose(balance.max_violation(counts), 3 / 1.5 - 1)
+    np.testing.assert_allclose(balance.max_violation(jnp.ones(8) * 5), 0.0)
+
+
+def test_balance_losses_are_one_when_balanced_and_larger_when_not():
+    e = 4
+    uniform = jnp.full((8, e), 1 / e)
+    balanced = make_routing(jnp.arange(8)[:, None] % e, uniform)
+    np.testing.assert_allclose(balance.batch_balance_loss(balanced), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(balance.sequence_balance_loss(balanced, 4), 1.0, rtol=1e-6)
+    skew_scores = jnp.tile(jnp.array([0.7, 0.1, 0.1, 0.1]), (8, 1))
+    skewed = make_routing(jnp.zeros((8, 1), int), skew_scores)
+    # f = [4, 0, 0, 0], P = [0.7, ...] -> 4 * 0.7
+    np.testing.assert_allclose(balance.batch_balance_loss(skewed), 2.8, rtol=1e-6)
+
+
+def test_sequence_loss_sees_imbalance_within_sequences():
+    # Each sequence all on one expert, but the batch as a whole balanced.
+    e = 2
+    ids = jnp.array([[0], [0], [1], [1]])
+    scores = jnp.array([[0.9, 0.1], [0.9, 0.1], [0.1, 0.9], [0.1, 0.9]])
+    r = make_routing(ids, scores)
+    assert balance.sequence_balance_loss(r, 2) > balance.batch_balance_loss(r) + 0.5
+    with pytest.raises(ValueError, match="seq_len"):
+        balance.sequence_balance_loss(r, 3)
+    del e
+
+
+def test_z_loss_formula():
+    logits = jax.random.normal(jax.random.key(0), (6, 5))
+    expected = np.mean(np.log(np.exp(np.asarray(logits)).sum(-1)) ** 2)
+    np.testing.assert_allclose(balance.router_z_loss(logits), expected, rtol=1e-5)
+
+
+def test_bias_update_sign_rule_and_no_gradient():
+    bias = jnp.zeros((2, 4))
+    counts = jnp.array([[4.0, 0, 2, 2], [1, 1, 1, 1]])
+    new = balance.update_expert_bias(bias, counts, 0.1)
+    np.testing.assert_allclose(new, [[-0.1, 0.1, 0, 0], [0, 0, 0, 0]])
+    g = jax.grad(lambda b: balance.update_expert_bias(b, counts, 0.1).sum())(bias)
+    np.testing.assert_array_equal(g, 0.0)
+
+
+def test_bias_update_moves_load_toward_uniform():
+    spec = RoutingSpec(16, 2, "sigmoid", use_expert_bias=True)
+    # Skewed affinities: a few experts are preferred by most tokens.
+    key = jax.random.key(3)
+    logits = jax.random.normal(key, (512, 16)) + jnp.linspace(2.0, -2.0, 16)
+    bias = jnp.zeros(16)
+    topk = jax.jit(JnpTopK(), static_argnums=2)
+    start = None
+    for _ in range(200):
+        counts = balance.tokens_per_expert(topk(logits, bias, spec).expert_ids, 16)
+        vio = float(balance.max_violation(counts))
+        start = vio if start is None else start
+        bias = balance.update_expert_bias(bias, counts, 0.01)
+    assert start > 1.0
+    assert vio < 0.35 * start

@@ -1,0 +1,137 @@
+"""The MoE layer: every backend equals the dense oracle, output and gradients."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dropless
+from dropless.backends import BackendUnavailableError, get_backend, with_backend
+from dropless.backends.oracle import oracle_moe
+from dropless.moe import MoE
+from dropless.routing import RoutingSpec
+
+FP32 = dict(rtol=1e-4, atol=1e-5)
+# (spec, shared experts): a handful of layer shapes, so each compiles once per run.
+SPECS = [
+    (RoutingSpec(8, 2, "softmax"), 0),
+    (
+        RoutingSpec(
+            16,
+            4,
+            "sigmoid",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            use_expert_bias=True,
+        ),
+        1,
+    ),
+    (
+        RoutingSpec(
+            8, 3, "sqrtsoftplus", n_group=2, topk_group=1, group_score="max", norm_topk_prob=False
+        ),
+        1,
+    ),
+    (RoutingSpec(4, 2, "softmax", softmax_before_topk=False), 0),
+]
+
+
+@st.composite
+def moe_case(draw):
+    spec, shared = draw(st.sampled_from(SPECS))
+    adversarial = draw(st.sampled_from(["none", "one_expert", "empty_experts"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return spec, shared, adversarial, seed
+
+
+def build(spec, shared, adversarial, seed, backend):
+    k_model, k_x = jax.random.split(jax.random.key(seed))
+    moe = MoE(12, 10, spec, n_shared_experts=shared, backend=backend, key=k_model)
+    if adversarial == "one_expert":  # every token's top choice is the same expert
+        moe = eqx.tree_at(lambda m: m.router.w_router, moe, moe.router.w_router.at[1].mul(40.0))
+    elif adversarial == "empty_experts":  # the first half of the experts are never chosen
+        half = spec.n_routed_experts // 2
+        moe = eqx.tree_at(lambda m: m.router.w_router, moe, moe.router.w_router.at[:half].set(0.0))
+        if spec.use_expert_bias:
+            moe = eqx.tree_at(
+                lambda m: m.router.expert_bias, moe, moe.router.expert_bias.at[:half].set(-50.0)
+            )
+    x = jax.random.normal(k_x, (20, 12))
+    return moe, x
+
+
+def _layer(moe, x):
+    return moe(x)[0]
+
+
+def _loss(moe, x, probe, forward):
+    return jnp.sum(forward(moe, x) * probe)
+
+
+# Module-level jitted functions: jit caches by function, so each shape compiles once per run.
+_forward = eqx.filter_jit(lambda moe, x, forward: forward(moe, x))
+_grads = eqx.filter_jit(eqx.filter_grad(lambda mx, probe, forward: _loss(*mx, probe, forward)))
+
+
+@settings(max_examples=12)
+@given(moe_case())
+def test_backend_equals_oracle(backend_name, case):
+    moe, x = build(*case, backend=backend_name)
+    probe = jax.random.normal(jax.random.key(7), x.shape)
+    np.testing.assert_allclose(_forward(moe, x, _layer), _forward(moe, x, oracle_moe), **FP32)
+    grads = _grads((moe, x), probe, _layer)  # w.r.t. every weight and the input
+    ref = _grads((moe, x), probe, oracle_moe)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        assert jnp.isfinite(a).all()
+        np.testing.assert_allclose(a, b, **FP32)
+    assert jnp.abs(grads[0].router.w_router).sum() > 0  # the router learns through the weights
+
+
+def test_stats_and_nothing_dropped():
+    spec = RoutingSpec(8, 2, "sigmoid", use_expert_bias=True)
+    moe = MoE(12, 10, spec, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (32, 12))
+    _, stats = moe(x, seq_len=8)
+    assert float(stats.tokens_per_expert.sum()) == 32 * 2
+    assert float(stats.dropped) == 0.0
+    assert float(stats.max_vio) >= 0.0
+    for loss in (stats.balance_loss, stats.seq_balance_loss, stats.z_loss):
+        assert jnp.isfinite(loss) and loss > 0
+
+
+def test_with_backend_swaps_strategies_not_arrays():
+    moe = MoE(12, 10, SPECS[1][0], n_shared_experts=1, key=jax.random.key(0))
+    swapped = with_backend(moe, "ragged")
+    assert type(swapped.experts.gmm).__name__ == "RaggedDot"
+    before, after = jax.tree.leaves(moe), jax.tree.leaves(swapped)
+    assert len(before) == len(after) and all(a is b for a, b in zip(before, after, strict=True))
+    custom = dropless.Backend(dispatcher=swapped.dispatcher, gmm=moe.experts.gmm)
+    back = with_backend(swapped, custom)
+    assert type(back.experts.gmm).__name__ == "ChunkedGroupedMatmul"
+
+
+def test_unknown_backend_lists_known_ones():
+    with pytest.raises(ValueError, match="known backends: .*jnp"):
+        get_backend("cuda-magic")
+
+
+def test_missing_te_names_what_to_install():
+    try:
+        import transformer_engine.jax  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendUnavailableError, match="transformer-engine"):
+            get_backend("te")
+    else:
+        pytest.skip("Transformer Engine is installed here")
+
+
+def test_wrong_input_shape_is_rejected():
+    moe = MoE(12, 10, SPECS[0][0], key=jax.random.key(0))
+    with pytest.raises(Exception, match="dim|12|shape"):
+        moe(jnp.zeros((4, 5)))
+    with pytest.raises(Exception):
+        moe(jnp.zeros((2, 4, 12)))
