@@ -62,6 +62,7 @@ BACKENDS: dict[str, Callable[[], Backend]] = {
     "ragged": _ragged,
     "te": _lazy("dropless.backends.te", "te_backend"),
     "te-gmm": _lazy("dropless.backends.te", "te_gmm_backend"),
+    "te-fp8": _lazy("dropless.backends.te", "te_fp8_backend"),
     "pallas": _lazy("dropless.backends.pallas", "pallas_backend"),
     "ep": _lazy("dropless.backends.ep", "ep_backend"),
 }
