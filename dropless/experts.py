@@ -73,9 +73,8 @@ class GroupedExperts(eqx.Module):
     ) -> Float[Array, "rows dim"]:
         with jax.named_scope("experts"):
             dt = rows.dtype
-            hidden = self.w_gate.shape[-1]
-            # One grouped matmul for gate and up: the rows are read once, the loop runs once.
-            w_gate_up = jnp.concatenate([self.w_gate, self.w_up], axis=-1).astype(dt)
-            gate_up = self.gmm(rows, w_gate_up, group_sizes)
-            h = jax.nn.silu(gate_up[:, :hidden]) * gate_up[:, hidden:]
-            return self.gmm(h, self.w_down.astype(dt), group_sizes)
+            # Gate and up as two grouped matmuls rather than one on concatenated weights: the
+            # concatenation would copy every expert's weights on each step.
+            gate = self.gmm(rows, self.w_gate.astype(dt), group_sizes)
+            up = self.gmm(rows, self.w_up.astype(dt), group_sizes)
+            return self.gmm(jax.nn.silu(gate) * up, self.w_down.astype(dt), group_sizes)

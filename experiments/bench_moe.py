@@ -1,0 +1,225 @@
+"""GPU benchmark: grouped GEMM strategies and the MoE layer against dense references.
+
+    python experiments/bench_moe.py [--out results/bench_moe] [--quick]
+
+Every ratio is against a dense reference timed in the same run: grouped GEMM throughput over a
+dense matmul of equal FLOPs (>1 is faster than dense), and MoE layer time over a dense SwiGLU of
+the same active FLOPs (<1 is faster than dense). Strategies that do not load or run out of memory
+are reported as such. Writes JSON + CSV + PNG to --out.
+"""
+
+import argparse
+import pathlib
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _timing import machine, median_time, print_table, write_results
+
+from dropless.backends import BackendUnavailableError, with_backend
+from dropless.backends.jnp import ChunkedGroupedMatmul, RaggedDot
+from dropless.moe import MoE
+from dropless.nn.mlp import SwiGLU
+from dropless.routing import RoutingSpec
+
+
+def gmm_strategies():
+    out = {"jnp-chunked": ChunkedGroupedMatmul(), "ragged_dot": RaggedDot()}
+    try:
+        from dropless.backends import te
+
+        te.load_te()
+        out["te"] = te.TEGroupedMatmul()
+        out["te-fp8"] = te.TEGroupedMatmul(fp8="current")
+        print("TE grouped GEMM path:", te.grouped_gemm_path())
+    except BackendUnavailableError as err:
+        print("TE unavailable:", err)
+    try:
+        from dropless.backends import pallas
+
+        pallas.load_kernels()
+        out["pallas"] = pallas.PallasGroupedMatmul()
+    except BackendUnavailableError as err:
+        print("Pallas unavailable:", err)
+    return out
+
+
+def sizes_for(routing, e, rows, rng):
+    if routing == "balanced":
+        return np.full(e, rows // e)
+    return rng.multinomial(rows, rng.dirichlet(np.ones(e)))
+
+
+def time_or_status(fn, *args):
+    try:
+        return median_time(fn, *args)
+    except Exception as err:  # noqa: BLE001 -- report OOM / unsupported and go on
+        text = str(err)
+        return (
+            "OOM"
+            if "RESOURCE_EXHAUSTED" in text or "out of memory" in text
+            else f"error: {text[:80]}"
+        )
+
+
+def bench_gmm(strategies, quick, tiny=False):
+    rows_out = []
+    rng = np.random.default_rng(0)
+    shapes = [(8, 2048), (64, 512), (256, 256)]
+    widths = [(7168, 2048), (2048, 7168)]
+    if tiny:  # a CPU smoke run of the script itself
+        shapes, widths = [(8, 64), (64, 16)], [(128, 64), (64, 128)]
+    for (e, per_expert), (k, n), routing in (
+        (s, w, r) for s in shapes for w in widths for r in ("balanced", "dirichlet")
+    ):
+        if quick and (k, n) != widths[0]:
+            continue
+        m = e * per_expert
+        keys = jax.random.split(jax.random.key(e + k), 3)
+        lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        rhs = (jax.random.normal(keys[1], (e, k, n)) / k**0.5).astype(jnp.bfloat16)
+        gs = jnp.asarray(sizes_for(routing, e, m, rng), jnp.int32)
+
+        def fwd_bwd(f):
+            def loss(a, b):
+                return jnp.sum(f(a, b).astype(jnp.float32))
+
+            return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+        dense = lambda a, b: a @ b[0]  # noqa: E731 -- the same FLOPs in one matmul
+        t_dense = median_time(jax.jit(dense), lhs, rhs)
+        t_dense_fb = median_time(fwd_bwd(dense), lhs, rhs)
+        flops = 2 * m * k * n
+        for name, gmm in strategies.items():
+            if name == "ragged_dot" and e == 256:
+                fwd = bwd = "skipped (dense-materialised; OOM at 256 experts)"
+            else:
+                f = lambda a, b, gmm=gmm, gs=gs: gmm(a, b, gs)  # noqa: E731
+                fwd = time_or_status(jax.jit(f), lhs, rhs)
+                bwd = time_or_status(fwd_bwd(f), lhs, rhs)
+            rows_out.append(
+                {
+                    "experts": e,
+                    "rows/expert": per_expert,
+                    "K x N": f"{k}x{n}",
+                    "routing": routing,
+                    "strategy": name,
+                    "fwd TFLOP/s": flops / fwd / 1e12 if isinstance(fwd, float) else fwd,
+                    "fwd / dense": t_dense / fwd if isinstance(fwd, float) else fwd,
+                    "fwd+bwd / dense": t_dense_fb / bwd if isinstance(bwd, float) else bwd,
+                    "dense TFLOP/s": flops / t_dense / 1e12,
+                }
+            )
+        print_table(rows_out[-len(strategies) :])
+    return rows_out
+
+
+def bench_layer(quick, tiny=False):
+    dim, hidden, experts, k = (128, 32, 16, 4) if tiny else (7168, 2048, 256, 8)
+    spec = RoutingSpec(
+        experts,
+        k,
+        "sigmoid",
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        use_expert_bias=True,
+    )
+    moe = MoE(dim, hidden, spec, n_shared_experts=1, dtype=jnp.bfloat16, key=jax.random.key(0))
+    dense = SwiGLU(dim, hidden * (k + 1), dtype=jnp.bfloat16, key=jax.random.key(1))
+    names = ["jnp", "te", "te-gmm", "pallas", "ragged"]
+    rows = []
+    for tokens in [256] if tiny else [8192] if quick else [8192, 16384, 32768]:
+        x = jax.random.normal(jax.random.key(2), (tokens, dim), jnp.bfloat16)
+
+        @eqx.filter_jit
+        def step(layer, x):
+            def loss(layer, x):
+                y = layer(x)
+                y = y[0] if isinstance(y, tuple) else y
+                return jnp.sum(y.astype(jnp.float32))
+
+            return eqx.filter_grad(loss)(layer, x)
+
+        t_dense = median_time(step, dense, x, repeats=5)
+        active_flops = 3 * 2 * tokens * 3 * dim * hidden * (k + 1)  # fwd + bwd = 3x fwd
+        row = {
+            "tokens": tokens,
+            "dense ms": t_dense * 1e3,
+            "dense TFLOP/s": active_flops / t_dense / 1e12,
+        }
+        for name in names:
+            if name == "ragged" and tokens > 8192 and not tiny:
+                row[f"{name} / dense"] = "skipped"
+                continue
+            try:
+                layer = with_backend(moe, name)
+            except BackendUnavailableError:
+                row[f"{name} / dense"] = "unavailable"
+                continue
+            t = time_or_status(step, layer, x)
+            row[f"{name} / dense"] = t / t_dense if isinstance(t, float) else t
+        rows.append(row)
+        print_table(rows[-1:], f"MoE layer fwd+bwd, {tokens} tokens (time over dense SwiGLU)")
+    return rows
+
+
+def plot(rows, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    labels = list(
+        dict.fromkeys(
+            f"{r['experts']}x{r['rows/expert']} {r['K x N']} {r['routing'][:3]}" for r in rows
+        )
+    )
+    width = 0.8 / len(strategies)
+    for i, s in enumerate(strategies):
+        vals = [
+            next(
+                (
+                    r["fwd+bwd / dense"]
+                    for r in rows
+                    if r["strategy"] == s
+                    and f"{r['experts']}x{r['rows/expert']} {r['K x N']} {r['routing'][:3]}" == lab
+                ),
+                0,
+            )
+            for lab in labels
+        ]
+        vals = [v if isinstance(v, float) else 0 for v in vals]
+        ax.bar(np.arange(len(labels)) + i * width, vals, width, label=s)
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.set_xticks(np.arange(len(labels)) + 0.4, labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("fwd+bwd throughput / dense matmul")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "bench_moe_gmm.png", dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_moe"))
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--tiny", action="store_true", help="toy shapes: a CPU smoke run")
+    parser.add_argument("--skip-gmm", action="store_true")
+    parser.add_argument("--skip-layer", action="store_true")
+    args = parser.parse_args()
+    meta = {"machine": machine(), "command": "python experiments/bench_moe.py"}
+    print(meta["machine"])
+    if not args.skip_gmm:
+        gmm_rows = bench_gmm(gmm_strategies(), args.quick, args.tiny)
+        write_results(args.out, "grouped_matmul", gmm_rows, meta)
+        plot(gmm_rows, args.out)
+    if not args.skip_layer:
+        layer_rows = bench_layer(args.quick, args.tiny)
+        write_results(args.out, "moe_layer", layer_rows, meta)
+
+
+if __name__ == "__main__":
+    main()
