@@ -6,6 +6,13 @@ import os
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import contextlib  # noqa: E402
+
+# Transformer Engine must load its CUDA libraries (cuDNN) before JAX initialises its GPU backend,
+# or the two can pick up mismatched cuDNN builds; importing it is cheap and harmless elsewhere.
+with contextlib.suppress(ImportError, OSError):
+    import transformer_engine.jax  # noqa: F401
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -9,6 +9,7 @@ dropless' layout.
 
 import ctypes
 import functools
+import importlib
 from typing import ClassVar, Literal
 
 import equinox as eqx
@@ -44,7 +45,9 @@ def load_te():
     """
     try:
         import transformer_engine.jax  # noqa: F401  (loads the C++ extension)
-        from transformer_engine.jax.cpp_extensions import gemm
+
+        # the module, not the `gemm` function that cpp_extensions re-exports under that name
+        gemm = importlib.import_module("transformer_engine.jax.cpp_extensions.gemm")
     except ImportError as err:
         raise BackendUnavailableError(
             "the Transformer Engine backend needs `pip install 'transformer-engine[jax]'` "
@@ -66,8 +69,7 @@ def load_te():
 def grouped_gemm_path() -> str:
     """'v2' (cuBLAS grouped GEMM) or 'multi-stream': which TE path grouped_dense takes here."""
     load_te()
-    from transformer_engine.jax.cpp_extensions import gemm
-
+    gemm = importlib.import_module("transformer_engine.jax.cpp_extensions.gemm")
     return "v2" if getattr(gemm, "_v2_grouped_gemm_available", False) else "multi-stream"
 
 

@@ -1,0 +1,32 @@
+"""DeepSeek-V3 (and V2) at any size: config, model, multi-token prediction, presets, counts."""
+
+from dropless.models.deepseek_v3.config import DeepSeekV3Config
+from dropless.models.deepseek_v3.layers import make_block, scan_blocks, stack_blocks, unstack
+from dropless.models.deepseek_v3.model import (
+    DeepSeekV3,
+    ModelOutput,
+    check_tokens,
+    with_updated_expert_bias,
+)
+from dropless.models.deepseek_v3.mtp import MTP, MTPModule, mtp_targets
+from dropless.models.deepseek_v3.params import ParamCount, count_params
+from dropless.models.deepseek_v3.presets import PRESETS, get_preset
+
+__all__ = [
+    "MTP",
+    "PRESETS",
+    "DeepSeekV3",
+    "DeepSeekV3Config",
+    "MTPModule",
+    "ModelOutput",
+    "ParamCount",
+    "check_tokens",
+    "count_params",
+    "get_preset",
+    "make_block",
+    "mtp_targets",
+    "scan_blocks",
+    "stack_blocks",
+    "unstack",
+    "with_updated_expert_bias",
+]

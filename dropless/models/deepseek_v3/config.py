@@ -1,0 +1,288 @@
+"""`DeepSeekV3Config`: the architecture, with Hugging Face field names, validated on creation."""
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+from dropless.nn.rope import ROPE_TYPES, rope_type
+from dropless.routing import RoutingSpec
+
+TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
+SCORING_FUNCS = ("sigmoid", "softmax")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLS = ("xla", "cudnn")
+
+# Settings that are dropless's own (not in a Hugging Face config.json).
+DROPLESS_FIELDS = ("param_dtype", "compute_dtype", "remat", "attention_impl")
+
+# A `model_type: deepseek_v2` config.json leaves these at DeepSeek-V2's defaults, not V3's.
+_V2_DEFAULTS: dict[str, Any] = {
+    "topk_method": "greedy",
+    "scoring_func": "softmax",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_nextn_predict_layers": 0,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSeekV3Config:
+    """DeepSeek-V2/V3 architecture. Defaults are Hugging Face's `DeepseekV3Config` defaults (the
+    671B shapes), so a `config.json` that omits a key means what it means there.
+
+    topk_method: "noaux_tc" (V3: expert bias for selection, groups ranked by their top-2 sum),
+    "group_limited_greedy" (V2: groups ranked by their best score) or "greedy" (no groups).
+    The first `first_k_dense_replace` layers are dense SwiGLU (`intermediate_size`), the rest MoE.
+    dropless settings: `param_dtype`/`compute_dtype` ("float32" | "bfloat16"; bf16 compute casts
+    weights at use, norms, softmax and routing stay float32), `remat` ("none" | "full" | "dots" |
+    "dots_no_batch", a `jax.checkpoint` policy per scanned layer) and `attention_impl` ("xla"
+    einsum attention, or "cudnn" fused attention on NVIDIA GPUs).
+    Training knobs (loss weights, bias update rate) live in `dropless.train.TrainConfig`.
+    """
+
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    topk_method: str = "noaux_tc"
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    scoring_func: str = "sigmoid"
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 1
+    # dropless settings
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+    attention_impl: str = "xla"
+
+    def __post_init__(self):
+        if self.rope_scaling is not None:  # a private copy: the caller's dict may change later
+            object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+        _validate(self)
+
+    def __hash__(self) -> int:  # rope_scaling is a dict; hash a frozen view of it
+        scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
+        return hash(
+            tuple(
+                scaling if f.name == "rope_scaling" else getattr(self, f.name)
+                for f in dataclasses.fields(self)
+            )
+        )
+
+    # --- derived sizes -------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def n_dense_layers(self) -> int:
+        return self.first_k_dense_replace
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_k_dense_replace
+
+    @property
+    def param_jnp_dtype(self):
+        return DTYPES[self.param_dtype]
+
+    @property
+    def compute_jnp_dtype(self):
+        return DTYPES[self.compute_dtype]
+
+    def routing_spec(self) -> RoutingSpec:
+        """The router settings implied by `topk_method` and the routing fields."""
+        grouped = self.topk_method != "greedy"  # greedy ignores groups (DeepSeek-V2-Lite)
+        return RoutingSpec(
+            n_routed_experts=self.n_routed_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            scoring_func=self.scoring_func,
+            n_group=self.n_group if grouped else 1,
+            topk_group=self.topk_group if grouped else 1,
+            group_score="max" if self.topk_method == "group_limited_greedy" else "top2_sum",
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+            use_expert_bias=self.topk_method == "noaux_tc",
+        )
+
+    def replace(self, **changes: Any) -> "DeepSeekV3Config":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # --- Hugging Face config.json --------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], **overrides: Any) -> "DeepSeekV3Config":
+        """From a Hugging Face config dict (DeepSeek-V2 or V3); unknown keys are ignored.
+
+        `overrides` set any field, e.g. the dropless settings, which config.json does not hold.
+        """
+        values: dict[str, Any] = dict(_V2_DEFAULTS) if hf.get("model_type") == "deepseek_v2" else {}
+        values.update(hf)
+        if "rope_parameters" in values and "rope_scaling" not in values:  # transformers >= 5
+            params = dict(values["rope_parameters"])
+            values.setdefault("rope_theta", params.pop("rope_theta", 10000.0))
+            values["rope_scaling"] = params if rope_type(params) != "default" else None
+        for name in ("n_group", "topk_group"):  # V2 writes null for "no groups"
+            if name in values and values[name] is None:
+                values[name] = 1
+        values.update(overrides)
+        kwargs = {}
+        for field in dataclasses.fields(cls):
+            if field.name in values:
+                value = values[field.name]
+                if field.type is float and isinstance(value, int):
+                    value = float(value)  # JSON writes 10000.0 as 10000
+                kwargs[field.name] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, **overrides: Any) -> "DeepSeekV3Config":
+        """From a Hugging Face `config.json` file."""
+        with open(path) as f:
+            return cls.from_hf_config(json.load(f), **overrides)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A Hugging Face DeepSeek-V3 config dict (without dropless's own settings)."""
+        out = {f: getattr(self, f) for f in _names() if f not in DROPLESS_FIELDS}
+        out["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        out["model_type"] = "deepseek_v3"
+        out["architectures"] = ["DeepseekV3ForCausalLM"]
+        out["num_key_value_heads"] = self.num_attention_heads
+        return out
+
+
+def _names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(DeepSeekV3Config))
+
+
+def _fail(rule: str) -> None:
+    raise ValueError(f"DeepSeekV3Config: {rule}")
+
+
+def _validate(c: DeepSeekV3Config) -> None:
+    positive = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "n_group",
+        "topk_group",
+        "max_position_embeddings",
+    )
+    for name in positive:
+        if getattr(c, name) < 1:
+            _fail(f"{name} ({getattr(c, name)}) must be >= 1")
+    for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"):
+        if getattr(c, name) < 0:
+            _fail(f"{name} ({getattr(c, name)}) must be >= 0")
+    if c.q_lora_rank is not None and c.q_lora_rank < 1:
+        _fail(f"q_lora_rank ({c.q_lora_rank}) must be >= 1, or None for a direct q_proj")
+    if c.first_k_dense_replace > c.num_hidden_layers:
+        _fail(
+            f"first_k_dense_replace ({c.first_k_dense_replace}) must be <= num_hidden_layers "
+            f"({c.num_hidden_layers})"
+        )
+    if c.qk_rope_head_dim % 2:
+        _fail(f"qk_rope_head_dim ({c.qk_rope_head_dim}) must be even (rope rotates pairs)")
+    _validate_routing(c)
+    _validate_rope(c)
+    if not c.rms_norm_eps > 0:
+        _fail(f"rms_norm_eps ({c.rms_norm_eps}) must be > 0")
+    if c.hidden_act != "silu":
+        _fail(f"hidden_act ({c.hidden_act!r}) must be 'silu' (SwiGLU)")
+    if c.attention_bias:
+        _fail("attention_bias (True) is not supported: DeepSeek projections have no bias")
+    for name, allowed in (
+        ("param_dtype", tuple(DTYPES)),
+        ("compute_dtype", tuple(DTYPES)),
+        ("remat", REMAT_POLICIES),
+        ("attention_impl", ATTENTION_IMPLS),
+    ):
+        if getattr(c, name) not in allowed:
+            _fail(f"{name} ({getattr(c, name)!r}) must be one of {allowed}")
+
+
+def _validate_routing(c: DeepSeekV3Config) -> None:
+    e, k = c.n_routed_experts, c.num_experts_per_tok
+    if c.topk_method not in TOPK_METHODS:
+        _fail(f"topk_method ({c.topk_method!r}) must be one of {TOPK_METHODS}")
+    if c.scoring_func not in SCORING_FUNCS:
+        _fail(f"scoring_func ({c.scoring_func!r}) must be one of {SCORING_FUNCS}")
+    if k > e:
+        _fail(f"num_experts_per_tok ({k}) must be <= n_routed_experts ({e})")
+    if not c.routed_scaling_factor > 0:
+        _fail(f"routed_scaling_factor ({c.routed_scaling_factor}) must be > 0")
+    if c.topk_method == "greedy":
+        return  # groups are ignored
+    if e % c.n_group:
+        _fail(f"n_routed_experts ({e}) must be divisible by n_group ({c.n_group})")
+    if c.topk_group > c.n_group:
+        _fail(f"topk_group ({c.topk_group}) must be <= n_group ({c.n_group})")
+    per_group = e // c.n_group
+    if k > c.topk_group * per_group:
+        _fail(
+            f"num_experts_per_tok ({k}) must be <= topk_group * n_routed_experts / n_group "
+            f"({c.topk_group} * {per_group}), the experts that group-limited routing can reach"
+        )
+    if c.topk_method == "noaux_tc" and c.n_group > 1 and per_group < 2:
+        _fail(
+            f"topk_method 'noaux_tc' ranks groups by their two best experts: n_routed_experts / "
+            f"n_group ({e} / {c.n_group}) must be >= 2"
+        )
+
+
+def _validate_rope(c: DeepSeekV3Config) -> None:
+    if not c.rope_theta > 1:
+        _fail(f"rope_theta ({c.rope_theta}) must be > 1")
+    s = c.rope_scaling
+    if not s:
+        return
+    kind = rope_type(s)
+    if kind not in ROPE_TYPES:
+        _fail(f"rope_scaling type ({kind!r}) must be one of {ROPE_TYPES}")
+    if kind == "default":
+        return
+    if "factor" not in s or not s["factor"] >= 1:
+        _fail(f"rope_scaling['factor'] ({s.get('factor')}) must be given and >= 1")
+    if kind == "yarn":
+        original = s.get("original_max_position_embeddings", c.max_position_embeddings)
+        if not original >= 1:
+            _fail(f"rope_scaling['original_max_position_embeddings'] ({original}) must be >= 1")
+        fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+        if not fast > slow > 0:
+            _fail(f"rope_scaling needs beta_fast > beta_slow > 0, got {fast} and {slow}")

@@ -1,0 +1,104 @@
+"""Building DeepSeek-V3 decoder blocks from a config, stacking them, and scanning over a stack.
+
+A stack is one `DecoderBlock` whose arrays carry a leading `layers` axis (built with
+`eqx.filter_vmap` over keys); `scan_blocks` runs it with `jax.lax.scan`, so a 61-layer model
+compiles one dense block and one MoE block.
+"""
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from dropless.backends import Backend
+from dropless.models.deepseek_v3.config import DeepSeekV3Config
+from dropless.moe import MoE, MoEStats
+from dropless.nn.block import DecoderBlock
+from dropless.nn.mla import MLA
+from dropless.nn.mlp import SwiGLU
+
+REMAT: dict[str, Callable | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def make_block(
+    config: DeepSeekV3Config, *, moe: bool, backend: str | Backend = "jnp", key: PRNGKeyArray
+) -> DecoderBlock:
+    """One decoder block: MLA, then a dense SwiGLU (`intermediate_size`) or the MoE layer."""
+    c, dt = config, config.param_jnp_dtype
+    k_attn, k_mlp = jax.random.split(key)
+    attn = MLA(
+        c.hidden_size,
+        c.num_attention_heads,
+        q_lora_rank=c.q_lora_rank,
+        kv_lora_rank=c.kv_lora_rank,
+        qk_nope_head_dim=c.qk_nope_head_dim,
+        qk_rope_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim,
+        rope_theta=c.rope_theta,
+        rope_scaling=c.rope_scaling,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_interleave=c.rope_interleave,
+        eps=c.rms_norm_eps,
+        impl=c.attention_impl,
+        dtype=dt,
+        key=k_attn,
+    )
+    if moe:
+        mlp = MoE(
+            c.hidden_size,
+            c.moe_intermediate_size,
+            c.routing_spec(),
+            n_shared_experts=c.n_shared_experts,
+            dtype=dt,
+            backend=backend,
+            key=k_mlp,
+        )
+    else:
+        mlp = SwiGLU(c.hidden_size, c.intermediate_size, dtype=dt, key=k_mlp)
+    return DecoderBlock(attn, mlp, c.hidden_size, eps=c.rms_norm_eps, dtype=dt)
+
+
+def stack_blocks(
+    config: DeepSeekV3Config,
+    n: int,
+    *,
+    moe: bool,
+    backend: str | Backend = "jnp",
+    key: PRNGKeyArray,
+) -> DecoderBlock | None:
+    """`n` blocks as one stacked block (leading `layers` axis on every array); None if n == 0."""
+    if n == 0:
+        return None
+
+    def make(k):
+        return make_block(config, moe=moe, backend=backend, key=k)
+
+    return eqx.filter_vmap(make)(jax.random.split(key, n))
+
+
+def unstack(stack: eqx.Module, i: int) -> eqx.Module:
+    """Layer `i` of a stacked module (arrays indexed, everything else shared)."""
+    return jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, stack)
+
+
+def scan_blocks(
+    stack: DecoderBlock | None, x: Float[Array, "batch seq dim"], remat: str = "none"
+) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
+    """Applies the stacked blocks in order; MoE stats come back with a leading `layers` axis."""
+    if stack is None:
+        return x, None
+    arrays, static = eqx.partition(stack, eqx.is_array)
+
+    def body(h, layer_arrays):
+        return eqx.combine(layer_arrays, static)(h)
+
+    if REMAT[remat] is not None:
+        # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE.
+        body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
+    return jax.lax.scan(body, x, arrays)

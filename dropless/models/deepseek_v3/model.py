@@ -1,0 +1,191 @@
+"""The DeepSeek-V3 language model: embeddings, dense then MoE decoder stacks, norm, head, MTP."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+
+from dropless.backends import Backend
+from dropless.balance import update_expert_bias
+from dropless.models.deepseek_v3.config import DeepSeekV3Config
+from dropless.models.deepseek_v3.layers import scan_blocks, stack_blocks
+from dropless.models.deepseek_v3.mtp import MTP
+from dropless.moe import MoE, MoEStats
+from dropless.nn.block import DecoderBlock
+from dropless.nn.mlp import init_linear
+from dropless.nn.rmsnorm import RMSNorm
+
+
+class ModelOutput(eqx.Module):
+    """What a forward pass returns.
+
+    - `logits[b, i]`: float32 scores of `tokens[b, i + 1]`.
+    - `mtp_logits[d, b, i]`: float32 scores of `tokens[b, i + d + 2]` (None without MTP); see
+      `dropless.models.deepseek_v3.mtp` for which positions are valid.
+    - `moe_stats`: the MoE layers' `MoEStats`, each field with a leading `layers` axis (in layer
+      order); zero-length when the model has no MoE layers (sums are 0, means undefined).
+    - `mtp_moe_stats`: the same for the MTP blocks (leading `depth` axis), zero-length when absent.
+    """
+
+    logits: Float[Array, "batch seq vocab"]
+    mtp_logits: Float[Array, "depth batch seq vocab"] | None
+    moe_stats: MoEStats
+    mtp_moe_stats: MoEStats
+
+
+class DeepSeekV3(eqx.Module):
+    """DeepSeek-V3 (and V2) causal language model.
+
+    Parameter tree (weights stored [in out]; stacked arrays carry a leading layer axis):
+    `embed_tokens [vocab dim]`, `dense_layers` (first `first_k_dense_replace` layers, stacked
+    `DecoderBlock`, or None), `moe_layers` (the rest, or None), `norm`, `lm_head [dim vocab]`
+    (None when tied: the head is `embed_tokens.T`), `mtp` (`MTP`, or None).
+    """
+
+    embed_tokens: Float[Array, "vocab dim"]
+    dense_layers: DecoderBlock | None
+    moe_layers: DecoderBlock | None
+    norm: RMSNorm
+    lm_head: Float[Array, "dim vocab"] | None
+    mtp: MTP | None
+    config: DeepSeekV3Config = eqx.field(static=True)
+
+    def __init__(
+        self, config: DeepSeekV3Config, *, backend: str | Backend = "jnp", key: PRNGKeyArray
+    ):
+        c, dt = config, config.param_jnp_dtype
+        k_emb, k_dense, k_moe, k_head, k_mtp = jax.random.split(key, 5)
+        # A tied table doubles as the head, so it gets the head's 1/sqrt(dim) scale.
+        emb_std = c.hidden_size**-0.5 if c.tie_word_embeddings else 1.0
+        self.embed_tokens = (
+            emb_std * jax.random.normal(k_emb, (c.vocab_size, c.hidden_size), jnp.float32)
+        ).astype(dt)
+        self.dense_layers = stack_blocks(c, c.n_dense_layers, moe=False, key=k_dense)
+        self.moe_layers = stack_blocks(c, c.n_moe_layers, moe=True, backend=backend, key=k_moe)
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dt)
+        self.lm_head = (
+            None
+            if c.tie_word_embeddings
+            else init_linear(k_head, (c.hidden_size, c.vocab_size), c.hidden_size, dt)
+        )
+        self.mtp = MTP(c, backend=backend, key=k_mtp) if c.num_nextn_predict_layers else None
+        self.config = c
+
+    def head(self, h: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq vocab"]:
+        """Float32 logits of normed hidden states (the main model's and the MTP modules')."""
+        w = self.embed_tokens.T if self.lm_head is None else self.lm_head
+        return jnp.einsum("bsd,dv->bsv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: Int[Array, "batch seq"]) -> ModelOutput:
+        """Logits, MTP logits and MoE statistics of a batch of token sequences.
+
+        Raises ValueError for sequences longer than `max_position_embeddings`, and, when the
+        tokens are concrete (not traced), for ids outside the vocabulary; under `jit` call
+        `check_tokens` on the host batch instead.
+        """
+        c = self.config
+        if tokens.shape[1] > c.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds max_position_embeddings "
+                f"({c.max_position_embeddings})"
+            )
+        if not isinstance(tokens, jax.core.Tracer):
+            check_tokens(tokens, c)
+        with jax.named_scope("embed"):
+            emb = jnp.take(self.embed_tokens, tokens, axis=0).astype(c.compute_jnp_dtype)
+        return self.from_embeddings(emb)
+
+    def from_embeddings(self, emb: Float[Array, "batch seq dim"]) -> ModelOutput:
+        """Everything after the embedding lookup; `emb[b, i]` is token i's embedding, in the
+        compute dtype. (Tests differentiate through this to check causality.)"""
+        c = self.config
+        with jax.named_scope("dense_layers"):
+            h, _ = scan_blocks(self.dense_layers, emb, c.remat)
+        with jax.named_scope("moe_layers"):
+            h, stats = scan_blocks(self.moe_layers, h, c.remat)
+        with jax.named_scope("head"):
+            h = self.norm(h)
+            logits = self.head(h)
+        mtp_logits, mtp_stats = None, None
+        if self.mtp is not None:
+            with jax.named_scope("mtp"):
+                mtp_logits, mtp_stats = self.mtp(h, emb, self.head, remat=c.remat)
+        empty = None
+        if stats is None or mtp_stats is None:
+            empty = _empty_stats(c, emb.shape[1])
+        return ModelOutput(
+            logits=logits,
+            mtp_logits=mtp_logits,
+            moe_stats=empty if stats is None else stats,
+            mtp_moe_stats=empty if mtp_stats is None else mtp_stats,
+        )
+
+
+def _empty_stats(config: DeepSeekV3Config, seq: int) -> MoEStats:
+    """MoEStats with a zero-length leading axis, shaped like a real MoE layer's."""
+
+    def one_layer():
+        moe = MoE(
+            config.hidden_size,
+            config.moe_intermediate_size,
+            config.routing_spec(),
+            key=jax.random.key(0),
+        )
+        return moe(jnp.zeros((seq, config.hidden_size)), seq_len=seq)[1]
+
+    shapes = jax.eval_shape(one_layer)
+    return jax.tree.map(lambda s: jnp.zeros((0, *s.shape), s.dtype), shapes)
+
+
+def check_tokens(tokens: ArrayLike, config: DeepSeekV3Config) -> None:
+    """Raises ValueError unless `tokens` is a [batch seq] integer array of ids in
+    [0, vocab_size) with seq <= max_position_embeddings. For concrete (host) batches."""
+    t = np.asarray(tokens)
+    if t.ndim != 2:
+        raise ValueError(f"tokens must be [batch seq], got shape {t.shape}")
+    if not np.issubdtype(t.dtype, np.integer):
+        raise ValueError(f"tokens must be integers, got dtype {t.dtype}")
+    if t.shape[1] > config.max_position_embeddings:
+        raise ValueError(
+            f"sequence length {t.shape[1]} exceeds max_position_embeddings "
+            f"({config.max_position_embeddings})"
+        )
+    bad = (t < 0) | (t >= config.vocab_size)
+    if bad.any():
+        b, i = np.argwhere(bad)[0]
+        raise ValueError(
+            f"token id {int(t[b, i])} at [{b}, {i}] is outside the vocabulary "
+            f"[0, {config.vocab_size}) ({int(bad.sum())} such ids in the batch)"
+        )
+
+
+def with_updated_expert_bias(
+    model: DeepSeekV3, out: ModelOutput, rate: float | Float[Array, ""]
+) -> DeepSeekV3:
+    """Aux-loss-free balancing step: every router's `expert_bias` moved by `rate` towards balance,
+    from the loads in `out` (main MoE layers and MTP blocks). A no-op without biases."""
+
+    def bias_of(block):
+        return (
+            block.mlp.router.expert_bias
+            if isinstance(block, DecoderBlock) and isinstance(block.mlp, MoE)
+            else None
+        )
+
+    pairs = [
+        (lambda m: m.moe_layers.mlp.router.expert_bias, bias_of(model.moe_layers), out.moe_stats),
+    ]
+    if model.mtp is not None:
+        pairs.append(
+            (
+                lambda m: m.mtp.layers.block.mlp.router.expert_bias,
+                bias_of(model.mtp.layers.block),
+                out.mtp_moe_stats,
+            )
+        )
+    for where, bias, stats in pairs:
+        if bias is not None:
+            new = update_expert_bias(bias, stats.tokens_per_expert, rate)
+            model = eqx.tree_at(where, model, new)
+    return model

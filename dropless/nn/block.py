@@ -1,0 +1,41 @@
+"""Pre-norm decoder block: x + attn(norm(x)), then + ffn(norm(x)); the FFN is dense or MoE."""
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Float
+
+from dropless.moe import MoE, MoEStats
+from dropless.nn.mla import MLA
+from dropless.nn.mlp import SwiGLU
+from dropless.nn.rmsnorm import RMSNorm
+
+
+class DecoderBlock(eqx.Module):
+    """One transformer layer, named as in Hugging Face DeepSeek-V3 (`model.layers.N.*`)."""
+
+    input_layernorm: RMSNorm
+    self_attn: MLA
+    post_attention_layernorm: RMSNorm
+    mlp: SwiGLU | MoE
+
+    def __init__(self, self_attn: MLA, mlp: SwiGLU | MoE, dim: int, *, eps: float, dtype):
+        self.input_layernorm = RMSNorm(dim, eps=eps, dtype=dtype)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(dim, eps=eps, dtype=dtype)
+        self.mlp = mlp
+
+    def __call__(
+        self, x: Float[Array, "batch seq dim"]
+    ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
+        """The new residual stream, and the MoE statistics (None for a dense block)."""
+        with jax.named_scope("attention"):
+            x = x + self.self_attn(self.input_layernorm(x))
+        with jax.named_scope("ffn"):
+            h = self.post_attention_layernorm(x)
+            if not isinstance(self.mlp, MoE):
+                return x + self.mlp(h), None
+            batch, seq, dim = h.shape
+            # MoE code works on flat tokens; seq_len keeps the sequences apart for the
+            # sequence-wise balance loss.
+            y, stats = self.mlp(h.reshape(batch * seq, dim), seq_len=seq)
+            return x + y.reshape(batch, seq, dim).astype(x.dtype), stats

@@ -1,0 +1,263 @@
+"""The DeepSeek-V3 model: scanned == looped, causality by gradients, MTP alignment, full forward
+and gradient through the MoE layers, dtypes, remat, bad input."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.models.deepseek_v3 import (
+    DeepSeekV3,
+    check_tokens,
+    get_preset,
+    mtp_targets,
+    unstack,
+    with_updated_expert_bias,
+)
+
+BATCH, SEQ = 2, 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    return DeepSeekV3(get_preset("tiny"), key=jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.key(1), (BATCH, SEQ), 0, 512)
+
+
+@pytest.fixture(scope="module")
+def forward():
+    return eqx.filter_jit(lambda m, t: m(t))
+
+
+def loss_fn(model, tokens):
+    """Next-token + MTP cross-entropy + balance losses, as a trainer would combine them."""
+    out = model(tokens)
+    labels = jnp.roll(tokens, -1, axis=1)  # the last position's target is junk: masked below
+    mask = jnp.arange(SEQ) < SEQ - 1
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(out.logits), labels[..., None], -1)[..., 0]
+    main = jnp.sum(ce * mask) / (mask.sum() * BATCH)
+    targets, valid = mtp_targets(jnp.where(mask, labels, 0), model.config.num_nextn_predict_layers)
+    valid = valid & mask
+    mtp_ce = -jnp.take_along_axis(jax.nn.log_softmax(out.mtp_logits), targets[..., None], -1)
+    mtp = jnp.sum(mtp_ce[..., 0] * valid) / valid.sum()
+    aux = out.moe_stats.seq_balance_loss.sum() + out.mtp_moe_stats.seq_balance_loss.sum()
+    return main + 0.3 * mtp + 1e-2 * aux
+
+
+def looped(model, tokens):
+    """The same forward pass with the stacked layers unstacked and applied in a Python loop."""
+    c = model.config
+    h = jnp.take(model.embed_tokens, tokens, axis=0)
+    emb, stats = h, []
+    for i in range(c.n_dense_layers):
+        h, _ = unstack(model.dense_layers, i)(h)
+    for i in range(c.n_moe_layers):
+        h, s = unstack(model.moe_layers, i)(h)
+        stats.append(s)
+    h = model.norm(h)
+    logits, mtp_logits = model.head(h), []
+    for d in range(c.num_nextn_predict_layers):
+        module = unstack(model.mtp.layers, d)
+        # depth d embeds token i + d + 1 (zeros past the end)
+        shifted = jnp.concatenate([emb[:, d + 1 :], jnp.zeros_like(emb[:, : d + 1])], axis=1)
+        h, _ = module(h, shifted)
+        mtp_logits.append(model.head(module.shared_head.norm(h)))
+    return logits, jnp.stack(mtp_logits), jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
+
+
+def test_forward_shapes(model, tokens, forward):
+    out = forward(model, tokens)
+    c = model.config
+    assert out.logits.shape == (BATCH, SEQ, c.vocab_size) and out.logits.dtype == jnp.float32
+    assert out.mtp_logits.shape == (1, BATCH, SEQ, c.vocab_size)
+    assert out.moe_stats.tokens_per_expert.shape == (c.n_moe_layers, c.n_routed_experts)
+    assert out.mtp_moe_stats.max_vio.shape == (1,)
+    # every layer routes every token copy: nothing dropped
+    np.testing.assert_array_equal(out.moe_stats.tokens_per_expert.sum(-1), BATCH * SEQ * 2)
+    assert np.isfinite(np.asarray(out.logits)).all()
+
+
+def test_stacked_layout(model):
+    c = model.config
+    assert model.dense_layers.self_attn.q_a_proj.shape == (1, 64, 32)
+    assert model.moe_layers.mlp.experts.w_gate.shape == (3, 16, 64, 64)
+    assert model.moe_layers.mlp.router.expert_bias.shape == (3, 16)
+    assert model.mtp.layers.eh_proj.shape == (1, 128, 64)
+    assert model.mtp.layers.block.mlp.router.w_router.shape == (1, 16, 64)
+    assert model.lm_head.shape == (64, c.vocab_size)
+
+
+def test_scan_equals_python_loop(model, tokens, forward):
+    out = forward(model, tokens)
+    logits, mtp_logits, stats = eqx.filter_jit(looped)(model, tokens)
+    np.testing.assert_allclose(out.logits, logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.mtp_logits, mtp_logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.moe_stats.tokens_per_expert, stats.tokens_per_expert)
+    np.testing.assert_allclose(out.moe_stats.seq_balance_loss, stats.seq_balance_loss, rtol=1e-5)
+
+
+def test_one_scan_per_stack(model, tokens):
+    # A scan per stack (dense, MoE, MTP), each of its stack's length: not an unrolled loop.
+    jaxpr = jax.make_jaxpr(lambda m, t: m(t))(model, tokens)
+    lengths = sorted(e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan")
+    assert lengths == [1, 1, 3]
+
+
+def test_causal_by_gradients(model, tokens):
+    emb = jnp.take(model.embed_tokens, tokens, axis=0)
+
+    @eqx.filter_jit
+    def grad(model, emb, t, w_main, w_mtp):
+        # One compile for every (t, which logits): the choices are traced (array) arguments.
+        def f(e):  # sequence 0, position t
+            out = model.from_embeddings(e)
+            main, mtp = jnp.sum(out.logits[0, t] ** 2), jnp.sum(out.mtp_logits[0, 0, t] ** 2)
+            return w_main * main + w_mtp * mtp
+
+        return jnp.abs(jax.grad(f)(emb)).sum(-1)
+
+    for t in (0, 5, SEQ - 2):
+        t_, one, zero = jnp.asarray(t), jnp.asarray(1.0), jnp.asarray(0.0)
+        main = np.asarray(grad(model, emb, t_, one, zero))
+        assert np.all(main[0, t + 1 :] == 0), f"main logits at {t} see the future"
+        assert np.all(main[0, : t + 1] > 0), f"main logits at {t} miss the past"
+        assert np.all(main[1] == 0), "sequences interact"
+        # MTP depth 0 at position t reads token t + 1, and nothing later.
+        mtp = np.asarray(grad(model, emb, t_, zero, one))
+        assert np.all(mtp[0, t + 2 :] == 0), f"MTP logits at {t} see past token {t + 1}"
+        assert np.all(mtp[0, : t + 2] > 0), f"MTP logits at {t} miss tokens <= {t + 1}"
+
+
+def test_changing_a_token_changes_only_later_logits(model, tokens, forward):
+    t = 6
+    changed = tokens.at[:, t].set((tokens[:, t] + 1) % 512)
+    a, b = forward(model, tokens), forward(model, changed)
+    np.testing.assert_allclose(a.logits[:, :t], b.logits[:, :t], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(a.logits[:, t], b.logits[:, t])
+    # MTP position t - 1 embeds token t: it changes, the one before does not.
+    np.testing.assert_allclose(a.mtp_logits[:, :, : t - 1], b.mtp_logits[:, :, : t - 1], atol=1e-6)
+    assert not np.allclose(a.mtp_logits[:, :, t - 1], b.mtp_logits[:, :, t - 1])
+
+
+def test_mtp_targets():
+    labels = jnp.arange(10).reshape(2, 5)
+    targets, mask = mtp_targets(labels, 2)
+    for d in range(2):
+        for i in range(5):
+            assert bool(mask[d, 0, i]) == (i + d + 1 < 5)
+            if mask[d, 0, i]:
+                np.testing.assert_array_equal(targets[d, :, i], labels[:, i + d + 1])
+
+
+@pytest.fixture(scope="module")
+def value_and_grad(model, tokens):
+    return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, tokens)
+
+
+def test_full_gradient(value_and_grad):
+    loss, grads = value_and_grad
+    assert np.isfinite(loss)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert np.isfinite(np.asarray(g)).all(), jax.tree_util.keystr(path)
+    moe = grads.moe_layers.mlp
+    for name, g in [
+        ("router", moe.router.w_router),
+        ("experts", moe.experts.w_gate),
+        ("shared", moe.shared.w_down),
+        ("kv_b", grads.moe_layers.self_attn.kv_b_proj),
+        ("mtp eh_proj", grads.mtp.layers.eh_proj),
+        ("mtp experts", grads.mtp.layers.block.mlp.experts.w_up),
+    ]:
+        assert np.abs(np.asarray(g)).max() > 0, f"no gradient reaches {name}"
+    # The expert bias steers selection only: it gets no gradient.
+    assert np.all(np.asarray(moe.router.expert_bias) == 0)
+
+
+def test_expert_bias_update(model, tokens, forward):
+    out = forward(model, tokens)
+    new = with_updated_expert_bias(model, out, 0.01)
+    load = np.asarray(out.moe_stats.tokens_per_expert)
+    step = np.asarray(
+        new.moe_layers.mlp.router.expert_bias - model.moe_layers.mlp.router.expert_bias
+    )
+    over = load > load.mean(-1, keepdims=True)
+    assert np.all(step[over] < 0) and np.all(step[load < load.mean(-1, keepdims=True)] > 0)
+    mtp_step = (
+        new.mtp.layers.block.mlp.router.expert_bias - model.mtp.layers.block.mlp.router.expert_bias
+    )
+    assert np.abs(np.asarray(mtp_step)).max() > 0
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_keeps_values_and_gradients(policy, model, tokens, value_and_grad):
+    remat = DeepSeekV3(model.config.replace(remat=policy), key=jax.random.key(0))  # same params
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(remat, tokens)
+    np.testing.assert_allclose(loss, value_and_grad[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(value_and_grad[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bf16_compute_fp32_params(model, tokens, forward):
+    bf16 = DeepSeekV3(model.config.replace(compute_dtype="bfloat16"), key=jax.random.key(0))
+    assert bf16.moe_layers.mlp.experts.w_gate.dtype == jnp.float32
+    out, ref = forward(bf16, tokens), forward(model, tokens)
+    assert out.logits.dtype == jnp.float32
+    err = np.abs(np.asarray(out.logits - ref.logits))
+    assert err.mean() < 0.05 * np.abs(np.asarray(ref.logits)).mean()
+
+
+def test_dense_only_tied_model():
+    config = get_preset("tiny", first_k_dense_replace=4, tie_word_embeddings=True)
+    dense = DeepSeekV3(config, key=jax.random.key(0))
+    assert dense.moe_layers is None and dense.lm_head is None
+    out = eqx.filter_jit(lambda m, t: m(t))(dense, jnp.zeros((1, 4), jnp.int32))
+    assert out.logits.shape == (1, 4, 512) and out.mtp_logits.shape == (1, 1, 4, 512)
+    assert out.moe_stats.tokens_per_expert.shape == (0, 16)  # the empty stack
+    assert out.mtp_moe_stats.tokens_per_expert.shape == (0, 16)  # the MTP block is dense too
+    h = jax.random.normal(jax.random.key(1), (1, 2, 64))
+    np.testing.assert_allclose(dense.head(h), h @ dense.embed_tokens.T, rtol=1e-5, atol=1e-5)
+
+
+def test_v2_lite_shaped_model():
+    # DeepSeek-V2-Lite's structure at toy size: direct q_proj, greedy softmax, no bias, no MTP.
+    config = get_preset(
+        "tiny",
+        q_lora_rank=None,
+        topk_method="greedy",
+        scoring_func="softmax",
+        norm_topk_prob=False,
+        n_shared_experts=2,
+        num_nextn_predict_layers=0,
+    )
+    model = DeepSeekV3(config, key=jax.random.key(0))
+    assert model.mtp is None and model.dense_layers.self_attn.q_a_proj is None
+    assert model.moe_layers.mlp.router.expert_bias is None
+    out = eqx.filter_jit(lambda m, t: m(t))(model, jnp.arange(8).reshape(1, 8))
+    assert out.logits.shape == (1, 8, 512) and out.mtp_logits is None
+    assert out.mtp_moe_stats.max_vio.shape == (0,)
+    assert eqx.tree_equal(with_updated_expert_bias(model, out, 0.1), model)  # no bias: no-op
+
+
+def test_bad_tokens(model):
+    c = model.config
+    with pytest.raises(ValueError, match=r"token id 512 at \[1, 2\] is outside the vocabulary"):
+        check_tokens(np.array([[0, 1, 2], [3, 4, 512]]), c)
+    with pytest.raises(ValueError, match=r"token id -1 at \[0, 0\]"):
+        check_tokens(np.array([[-1, 1]]), c)
+    with pytest.raises(ValueError, match="must be integers"):
+        check_tokens(np.zeros((1, 2), np.float32), c)
+    with pytest.raises(ValueError, match=r"must be \[batch seq\]"):
+        check_tokens(np.zeros((3,), np.int32), c)
+    with pytest.raises(ValueError, match=r"sequence length 513 exceeds max_position_embeddings"):
+        check_tokens(np.zeros((1, 513), np.int32), c)
+    check_tokens(np.array([[0, 511]]), c)  # the edges are fine
+    # The model itself: concrete ids are checked, lengths always (they are static).
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model(jnp.array([[1, 600]]))
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
+        jax.jit(lambda t: model(t))(jnp.zeros((1, 513), jnp.int32))
