@@ -18,14 +18,18 @@ import numpy as np
 from _timing import machine, median_time, print_table, write_results
 
 from dropless.backends import BackendUnavailableError, with_backend
-from dropless.backends.jnp import ChunkedGroupedMatmul, RaggedDot
+from dropless.backends.jnp import CapacityGroupedMatmul, ChunkedGroupedMatmul, RaggedDot
 from dropless.moe import MoE
 from dropless.nn.mlp import SwiGLU
 from dropless.routing import RoutingSpec
 
 
 def gmm_strategies():
-    out = {"jnp-chunked": ChunkedGroupedMatmul(), "ragged_dot": RaggedDot()}
+    out = {
+        "jnp-chunked": ChunkedGroupedMatmul(),
+        "jnp-capacity": CapacityGroupedMatmul(),
+        "ragged_dot": RaggedDot(),
+    }
     try:
         from dropless.backends import te
 
@@ -128,19 +132,21 @@ def bench_layer(quick, tiny=False, token_counts=(8192, 16384, 32768)):
     )
     moe = MoE(dim, hidden, spec, n_shared_experts=1, dtype=jnp.bfloat16, key=jax.random.key(0))
     dense = SwiGLU(dim, hidden * (k + 1), dtype=jnp.bfloat16, key=jax.random.key(1))
-    names = ["jnp", "te", "te-gmm", "pallas", "ragged"]
+    names = ["jnp", "jnp-capacity", "te", "te-gmm", "pallas", "ragged"]
     rows = []
     for tokens in [256] if tiny else [8192] if quick else token_counts:
         x = jax.random.normal(jax.random.key(2), (tokens, dim), jnp.bfloat16)
 
         @eqx.filter_jit
         def step(layer, x):
-            def loss(layer, x):
+            def loss(layer_and_x):
+                layer, x = layer_and_x
                 y = layer(x)
                 y = y[0] if isinstance(y, tuple) else y
                 return jnp.sum(y.astype(jnp.float32))
 
-            return eqx.filter_grad(loss)(layer, x)
+            # w.r.t. the weights and the input, as for any layer inside a network
+            return eqx.filter_grad(loss)((layer, x))
 
         t_dense = median_time(step, dense, x, repeats=5)
         active_flops = 3 * 2 * tokens * 3 * dim * hidden * (k + 1)  # fwd + bwd = 3x fwd

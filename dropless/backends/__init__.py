@@ -4,7 +4,8 @@ its arrays.
     model = dropless.with_backend(model, "ragged")
     model = dropless.with_backend(model, Backend(dispatcher=SortDispatcher(), gmm=RaggedDot()))
 
-Names: "jnp" (the default: sort dispatch + chunked grouped matmul), "ragged" (sort dispatch +
+Names: "jnp" (the default: sort dispatch + chunked grouped matmul), "jnp-capacity" (slots per
+expert + chunked overflow: one big batched matmul, for accelerators), "ragged" (sort dispatch +
 `jax.lax.ragged_dot`), "te" and its mixes (Transformer Engine, GPU), "ep" (XLA expert
 parallelism), and "auto" (TE on a GPU where it imports, jnp otherwise).
 """
@@ -17,7 +18,12 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 
-from dropless.backends.jnp import ChunkedGroupedMatmul, RaggedDot, SortDispatcher
+from dropless.backends.jnp import (
+    CapacityGroupedMatmul,
+    ChunkedGroupedMatmul,
+    RaggedDot,
+    SortDispatcher,
+)
 from dropless.dispatch import AbstractDispatcher
 from dropless.experts import AbstractGroupedMatmul
 from dropless.routing import AbstractTopK, JnpTopK
@@ -44,6 +50,10 @@ def _jnp() -> Backend:
     return Backend(SortDispatcher(), ChunkedGroupedMatmul(), JnpTopK())
 
 
+def _jnp_capacity() -> Backend:
+    return Backend(SortDispatcher(), CapacityGroupedMatmul(), JnpTopK())
+
+
 def _ragged() -> Backend:
     return Backend(SortDispatcher(), RaggedDot(), JnpTopK())
 
@@ -59,6 +69,7 @@ def _lazy(module: str, factory: str) -> Callable[[], Backend]:
 
 BACKENDS: dict[str, Callable[[], Backend]] = {
     "jnp": _jnp,
+    "jnp-capacity": _jnp_capacity,
     "ragged": _ragged,
     "te": _lazy("dropless.backends.te", "te_backend"),
     "te-gmm": _lazy("dropless.backends.te", "te_gmm_backend"),

@@ -6,6 +6,9 @@
 - `ChunkedGroupedMatmul`: walks the expert groups in fixed-size row chunks, one ordinary matmul
   per chunk. FLOPs are those of the routed rows plus at most `chunk - 1` rows per expert, memory
   is O(rows * width + experts * in * out), and the gradient is exact.
+- `CapacityGroupedMatmul`: one batched matmul over a static number of slots per expert, and the
+  chunked loop for whatever overflows them; never drops a row, and gives accelerators one big
+  matmul when routing is near balance.
 - `RaggedDot`: `jax.lax.ragged_dot`, exact but dense-materialised by XLA today (a reference).
 """
 
@@ -79,24 +82,26 @@ def _group_starts(group_sizes: Int[Array, " experts"]) -> Int[Array, " experts"]
     return jnp.cumsum(group_sizes) - group_sizes
 
 
-def _for_each_chunk(group_sizes, chunk, body, carry):
-    """Calls body(expert, start_row, valid_mask, carry) for each chunk of each group, in order.
+def _segments(group_sizes, skip):
+    """Each group's rows from its `skip`-th on: (first row, row count) per expert."""
+    return _group_starts(group_sizes) + skip, jnp.maximum(group_sizes - skip, 0)
+
+
+def _for_each_chunk(starts, sizes, chunk, body, carry):
+    """Calls body(expert, start_row, valid_mask, carry) for each chunk of each segment, in order.
 
     The trip counts are data-dependent (while loops), so only chunks holding routed rows run.
     """
-    starts = _group_starts(group_sizes)
     offsets = jnp.arange(chunk)
 
     def per_expert(e, carry):
-        size = group_sizes[e]
-
         def per_chunk(c, carry):
-            valid = offsets < size - c * chunk
+            valid = offsets < sizes[e] - c * chunk
             return body(e, starts[e] + c * chunk, valid, carry)
 
-        return jax.lax.fori_loop(0, (size + chunk - 1) // chunk, per_chunk, carry)
+        return jax.lax.fori_loop(0, (sizes[e] + chunk - 1) // chunk, per_chunk, carry)
 
-    return jax.lax.fori_loop(0, group_sizes.shape[0], per_expert, carry)
+    return jax.lax.fori_loop(0, sizes.shape[0], per_expert, carry)
 
 
 def _pad_rows(x: Array, chunk: int) -> Array:
@@ -104,12 +109,14 @@ def _pad_rows(x: Array, chunk: int) -> Array:
     return jnp.pad(x, ((0, chunk), (0, 0)))
 
 
-def _chunked_matmul(lhs, rhs, group_sizes, chunk, contract_rhs_dim):
-    """out[r] = lhs[r] @ rhs[e] (contract_rhs_dim=1) or lhs[r] @ rhs[e].T (=2), per chunk."""
+def _chunked_matmul(lhs, rhs, group_sizes, chunk, skip, contract_rhs_dim):
+    """out[r] = lhs[r] @ rhs[e] (contract_rhs_dim=1) or lhs[r] @ rhs[e].T (=2) for the rows of
+    each group from its `skip`-th on; every other row of `out` is zero."""
     rows, width = lhs.shape
     out_width = rhs.shape[3 - contract_rhs_dim]
     lhs_p = _pad_rows(lhs, chunk)
     dims = (((1,), (contract_rhs_dim - 1,)), ((), ()))
+    starts, sizes = _segments(group_sizes, skip)
 
     def body(e, start, valid, out):
         x = jax.lax.dynamic_slice(lhs_p, (start, 0), (chunk, width))
@@ -119,23 +126,27 @@ def _chunked_matmul(lhs, rhs, group_sizes, chunk, contract_rhs_dim):
         return jax.lax.dynamic_update_slice(out, new, (start, 0))
 
     out = jnp.zeros((rows + chunk, out_width), lhs.dtype)
-    return _for_each_chunk(group_sizes, chunk, body, out)[:rows]
+    out = jax.lax.cond(
+        jnp.any(sizes > 0),
+        lambda o: _for_each_chunk(starts, sizes, chunk, body, o),
+        lambda o: o,
+        out,
+    )
+    return out[:rows]
 
 
-def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, n_experts):
-    """d rhs[e] = sum over rows r of group e of outer(lhs[r], grad_out[r]), accumulated in f32
-    per expert and written once: no atomics, deterministic."""
+def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, skip, n_experts):
+    """d rhs[e] = sum over rows r of group e (from its `skip`-th on) of outer(lhs[r], g[r]),
+    accumulated in f32 per expert and written once: no atomics, deterministic."""
     width, out_width = lhs.shape[1], grad_out.shape[1]
     lhs_p, grad_p = _pad_rows(lhs, chunk), _pad_rows(grad_out, chunk)
-    starts = _group_starts(group_sizes)
+    starts, sizes = _segments(group_sizes, skip)
     offsets = jnp.arange(chunk)
 
     def per_expert(e, drhs):
-        size = group_sizes[e]
-
         def per_chunk(c, acc):
             start = starts[e] + c * chunk
-            valid = offsets < size - c * chunk
+            valid = offsets < sizes[e] - c * chunk
             x = jnp.where(
                 valid[:, None], jax.lax.dynamic_slice(lhs_p, (start, 0), (chunk, width)), 0
             )
@@ -145,33 +156,43 @@ def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, n_experts):
             )
 
         acc = jnp.zeros((width, out_width), jnp.float32)
-        acc = jax.lax.fori_loop(0, (size + chunk - 1) // chunk, per_chunk, acc)
+        acc = jax.lax.fori_loop(0, (sizes[e] + chunk - 1) // chunk, per_chunk, acc)
         return jax.lax.dynamic_update_index_in_dim(drhs, acc.astype(drhs.dtype), e, 0)
 
     drhs = jnp.zeros((n_experts, width, out_width), lhs.dtype)
-    return jax.lax.fori_loop(0, n_experts, per_expert, drhs)
+    return jax.lax.cond(
+        jnp.any(sizes > 0),
+        lambda d: jax.lax.fori_loop(0, n_experts, per_expert, d),
+        lambda d: d,
+        drhs,
+    )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def chunked_grouped_matmul(
     lhs: Float[Array, "rows in_"],
     rhs: Float[Array, "experts in_ out"],
     group_sizes: Int[Array, " experts"],
     chunk: int,
+    skip: int = 0,
 ) -> Float[Array, "rows out"]:
-    """The grouped matmul of `ChunkedGroupedMatmul`, with its exact hand-written gradient."""
-    return _chunked_matmul(lhs, rhs, group_sizes, chunk, contract_rhs_dim=1)
+    """The grouped matmul of `ChunkedGroupedMatmul`, with its exact hand-written gradient.
+
+    With `skip > 0` only the rows of each group past its first `skip` are computed (the
+    overflow part of `CapacityGroupedMatmul`); the other rows come out as zeros.
+    """
+    return _chunked_matmul(lhs, rhs, group_sizes, chunk, skip, contract_rhs_dim=1)
 
 
-def _cgmm_fwd(lhs, rhs, group_sizes, chunk):
-    return chunked_grouped_matmul(lhs, rhs, group_sizes, chunk), (lhs, rhs, group_sizes)
+def _cgmm_fwd(lhs, rhs, group_sizes, chunk, skip):
+    return chunked_grouped_matmul(lhs, rhs, group_sizes, chunk, skip), (lhs, rhs, group_sizes)
 
 
-def _cgmm_bwd(chunk, res, g):
+def _cgmm_bwd(chunk, skip, res, g):
     lhs, rhs, group_sizes = res
     g = g.astype(lhs.dtype)
-    dlhs = _chunked_matmul(g, rhs, group_sizes, chunk, contract_rhs_dim=2)
-    drhs = _chunked_weight_grad(lhs, g, group_sizes, chunk, rhs.shape[0])
+    dlhs = _chunked_matmul(g, rhs, group_sizes, chunk, skip, contract_rhs_dim=2)
+    drhs = _chunked_weight_grad(lhs, g, group_sizes, chunk, skip, rhs.shape[0])
     return dlhs, drhs.astype(rhs.dtype), None
 
 
@@ -196,3 +217,50 @@ class RaggedDot(AbstractGroupedMatmul):
 
     def _impl(self, lhs, rhs, group_sizes):
         return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32))
+
+
+def default_capacity(rows: int, n_experts: int, capacity_factor: float) -> int:
+    """Slots per expert: `capacity_factor` times the mean group size, rounded up to 8."""
+    mean = rows / max(n_experts, 1)
+    return max(8, -(-int(math.ceil(capacity_factor * mean)) // 8) * 8)
+
+
+class CapacityGroupedMatmul(AbstractGroupedMatmul):
+    """One batched matmul over `capacity` slots per expert, plus the chunked loop for the rows
+    of any group longer than that: dropless (overflow rows are computed, never dropped) and
+    one large, accelerator-friendly matmul when routing is near balance.
+
+    Costs `capacity_factor` times the routed FLOPs in the batched part; the overflow loop runs
+    only when a group exceeds its capacity.
+    """
+
+    capacity_factor: float = eqx.field(default=1.25, static=True)
+    chunk: int | None = eqx.field(default=None, static=True)
+
+    def __check_init__(self):
+        if not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor ({self.capacity_factor}) must be > 0")
+
+    def _impl(self, lhs, rhs, group_sizes):
+        rows, n_experts = lhs.shape[0], rhs.shape[0]
+        capacity = min(default_capacity(rows, n_experts, self.capacity_factor), rows)
+        chunk = self.chunk or default_chunk(rows, n_experts)
+        group_sizes = group_sizes.astype(jnp.int32)
+        starts = _group_starts(group_sizes)
+        # Gather each expert's first `capacity` rows into [experts capacity in_] slots.
+        slot = jnp.arange(capacity)
+        filled = slot[None, :] < group_sizes[:, None]
+        src = jnp.clip(starts[:, None] + slot[None, :], 0, rows - 1)
+        x = jnp.where(filled[..., None], lhs[src], 0)
+        y = jnp.einsum("eci,eio->eco", x, rhs, preferred_element_type=jnp.float32)
+        # Back to row order: row r sits in slot (owner, r - start[owner]).
+        owner = jnp.clip(
+            jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right"),
+            0,
+            n_experts - 1,
+        )
+        position = jnp.arange(rows) - starts[owner]
+        in_slots = position < capacity
+        y_rows = y[owner, jnp.clip(position, 0, capacity - 1)].astype(lhs.dtype)
+        overflow = chunked_grouped_matmul(lhs, rhs, group_sizes, chunk, capacity)
+        return jnp.where(in_slots[:, None], y_rows, overflow)

@@ -7,7 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dropless.backends.jnp import ChunkedGroupedMatmul, RaggedDot, default_chunk
+from dropless.backends.jnp import (
+    CapacityGroupedMatmul,
+    ChunkedGroupedMatmul,
+    RaggedDot,
+    default_chunk,
+)
 from dropless.backends.oracle import OneHotGroupedMatmul
 
 STRATEGIES = [
