@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dropless.backends.jnp import (
@@ -19,6 +19,8 @@ STRATEGIES = [
     ChunkedGroupedMatmul(),
     ChunkedGroupedMatmul(chunk=16),
     ChunkedGroupedMatmul(chunk=64),
+    CapacityGroupedMatmul(),
+    CapacityGroupedMatmul(capacity_factor=0.5, chunk=16),  # most rows overflow the slots
     RaggedDot(),
 ]
 ROWS, IN, OUT = 96, 24, 20
@@ -47,6 +49,7 @@ def groups(draw):
 @pytest.mark.parametrize(
     "gmm", STRATEGIES, ids=lambda g: f"{type(g).__name__}-{getattr(g, 'chunk', '')}"
 )
+@settings(max_examples=10)
 @given(groups())
 def test_equals_oracle_forward_and_gradient(gmm, g):
     sizes, seed = g
