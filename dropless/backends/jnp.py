@@ -125,7 +125,8 @@ def _chunked_matmul(lhs, rhs, group_sizes, chunk, skip, contract_rhs_dim):
         new = jnp.where(valid[:, None], y.astype(out.dtype), old)
         return jax.lax.dynamic_update_slice(out, new, (start, 0))
 
-    out = jnp.zeros((rows + chunk, out_width), lhs.dtype)
+    # zeros_like (not zeros) keeps lhs's varying-manual-axes type inside a user's shard_map
+    out = jnp.zeros_like(lhs, shape=(rows + chunk, out_width))
     out = jax.lax.cond(
         jnp.any(sizes > 0),
         lambda o: _for_each_chunk(starts, sizes, chunk, body, o),
@@ -155,11 +156,11 @@ def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, skip, n_experts):
                 x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
             )
 
-        acc = jnp.zeros((width, out_width), jnp.float32)
+        acc = jnp.zeros_like(lhs, shape=(width, out_width), dtype=jnp.float32)
         acc = jax.lax.fori_loop(0, (sizes[e] + chunk - 1) // chunk, per_chunk, acc)
         return jax.lax.dynamic_update_index_in_dim(drhs, acc.astype(drhs.dtype), e, 0)
 
-    drhs = jnp.zeros((n_experts, width, out_width), lhs.dtype)
+    drhs = jnp.zeros_like(lhs, shape=(n_experts, width, out_width))
     return jax.lax.cond(
         jnp.any(sizes > 0),
         lambda d: jax.lax.fori_loop(0, n_experts, per_expert, d),

@@ -1,0 +1,384 @@
+"""Expert parallelism in XLA: an all-to-all dispatcher that runs inside `jax.shard_map`.
+
+Each device of the mesh axis `axis_name` (size `ep`) holds `experts / ep` consecutive experts
+(the local slice of the `GroupedExperts` weights) and its own slice of the tokens; the router is
+replicated. `AllToAllDispatcher.dispatch` then
+
+1. sorts the local `tokens * k` copies by global expert (hence by destination device),
+2. counts copies per expert and exchanges the counts (`all_gather`: every device learns the whole
+   `[source, expert]` count matrix, from which every offset below is computed, identically),
+3. exchanges the copies: a padded `jax.lax.all_to_all` with a static per-(source, destination)
+   bound (CPU; XLA:CPU cannot compile the ragged collective), or `jax.lax.ragged_all_to_all`
+   into a static receive buffer (GPU/TPU),
+4. lays the received rows out expert-contiguously over the local experts (one gather through a
+   permutation computed from the counts: no sort),
+
+and `combine` walks the same plan backwards and takes the weighted sum over k.
+
+Buffers are static and derived from shapes: by default the worst case (every copy of every source
+lands on one device), so no token can ever be dropped. `recv_factor` shrinks them to a multiple of
+the balanced load; copies that do not fit are counted in `Dispatched.dropped` (hence in
+`MoEStats.dropped`) and the `overflow` policy either raises at run time ("raise", the default)
+or drops them and reports the count ("drop"). Nothing is dropped silently.
+"""
+
+import functools
+import math
+from typing import ClassVar, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from dropless.backends.jnp import ChunkedGroupedMatmul, permute_rows
+from dropless.dispatch import AbstractDispatcher, Dispatched
+from dropless.routing import JnpTopK
+
+Exchange = Literal["auto", "all_to_all", "ragged"]
+Overflow = Literal["raise", "drop"]
+
+OVERFLOW_MESSAGE = (
+    "AllToAllDispatcher: token copies overflowed the expert-parallel receive buffer, which "
+    "recv_factor sized below the worst case. Raise recv_factor, set recv_factor=None (the "
+    "worst case: never drops), or set overflow='drop' to drop them and count them in "
+    "MoEStats.dropped."
+)
+
+
+def resolve_exchange(exchange: Exchange, platform: str | None = None) -> str:
+    """'auto' -> 'ragged' on GPU/TPU, 'all_to_all' elsewhere (XLA:CPU cannot compile
+    `ragged_all_to_all`)."""
+    if exchange != "auto":
+        return exchange
+    platform = platform or jax.default_backend()
+    return "ragged" if platform in ("gpu", "cuda", "rocm", "tpu") else "all_to_all"
+
+
+def buffer_rows(
+    copies: int, ep: int, recv_factor: float | None, exchange: Literal["all_to_all", "ragged"]
+) -> int:
+    """Static receive rows on one device, for `copies = tokens * k` local copies per device.
+
+    - "all_to_all": `ep` blocks of `bound` rows, one per source; `bound = copies` (worst case:
+      every copy of that source comes here) or `ceil(recv_factor * copies / ep)`, capped there.
+    - "ragged": one buffer of `ep * copies` rows (worst case) or `ceil(recv_factor * copies)`,
+      capped there.
+
+    `recv_factor` is a multiple of the balanced load (`copies` rows per device); values >= `ep`
+    are the worst case.
+    """
+    if exchange == "all_to_all":
+        return ep * pair_bound(copies, ep, recv_factor)
+    return ragged_bound(copies, ep, recv_factor)
+
+
+def pair_bound(copies: int, ep: int, recv_factor: float | None) -> int:
+    """Rows one source may send one destination in the padded all-to-all."""
+    if recv_factor is None:
+        return max(copies, 1)
+    return max(1, min(copies, math.ceil(recv_factor * copies / ep)))
+
+
+def ragged_bound(copies: int, ep: int, recv_factor: float | None) -> int:
+    """Rows one device may receive in all, with the ragged all-to-all."""
+    if recv_factor is None:
+        return max(ep * copies, 1)
+    return max(1, min(ep * copies, math.ceil(recv_factor * copies)))
+
+
+# --- gathers through partial permutations, with gather-only gradients -------------------------
+
+
+@jax.custom_vjp
+def take_rows(
+    x: Float[Array, "n dim"], index: Int[Array, " m"], inverse: Int[Array, " n"]
+) -> Float[Array, "m dim"]:
+    """out[r] = x[index[r]], or 0 where index[r] is out of range (an empty slot).
+
+    `inverse` is the partial inverse (x row i went to out row inverse[i], or out of range if it
+    went nowhere), so the gradient is a gather too: no scatter-add, deterministic.
+    """
+    return x.at[index].get(mode="fill", fill_value=0)
+
+
+def _take_fwd(x, index, inverse):
+    return take_rows(x, index, inverse), (index, inverse)
+
+
+def _take_bwd(res, g):
+    index, inverse = res
+    return g.at[inverse].get(mode="fill", fill_value=0), None, None
+
+
+take_rows.defvjp(_take_fwd, _take_bwd)
+
+
+def _exclusive_cumsum(x: Array, axis: int = -1) -> Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+# --- the ragged exchange, with the reverse exchange as its gradient ---------------------------
+
+
+def _ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
+    # One indirection, so tests on CPU can stand an all_gather-based emulation in for it.
+    return jax.lax.ragged_all_to_all(
+        operand,
+        output,
+        input_offsets,
+        send_sizes,
+        output_offsets,
+        recv_sizes,
+        axis_name=axis_name,
+    )
+
+
+class RaggedOffsets(eqx.Module):
+    """The four offset/size vectors of one `ragged_all_to_all` call (one entry per device)."""
+
+    input_offsets: Int[Array, " ep"]
+    send_sizes: Int[Array, " ep"]
+    output_offsets: Int[Array, " ep"]
+    recv_sizes: Int[Array, " ep"]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def ragged_exchange(
+    x: Float[Array, "n dim"],
+    fwd: RaggedOffsets,
+    bwd: RaggedOffsets,
+    rows: int,
+    axis_name: str,
+) -> Float[Array, "rows dim"]:
+    """Ragged all-to-all of `x` into a zero buffer of `rows` rows; `bwd` describes the reverse
+    exchange, which is the gradient (rows that were not received get no gradient)."""
+    out = jnp.zeros((rows, *x.shape[1:]), x.dtype)
+    return _ragged_all_to_all(
+        x,
+        out,
+        fwd.input_offsets,
+        fwd.send_sizes,
+        fwd.output_offsets,
+        fwd.recv_sizes,
+        axis_name=axis_name,
+    )
+
+
+def _exchange_fwd(x, fwd, bwd, rows, axis_name):
+    return ragged_exchange(x, fwd, bwd, rows, axis_name), (x.shape[0], fwd, bwd)
+
+
+def _exchange_bwd(rows, axis_name, res, g):
+    n, fwd, bwd = res
+    return ragged_exchange(g, bwd, fwd, n, axis_name), None, None
+
+
+ragged_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+class AllToAllPlan(eqx.Module):
+    """Everything `combine` needs to invert `dispatch` (all integer arrays)."""
+
+    order: Int[Array, " copies"]  # sorted copy r is copy order[r] (sorted by global expert)
+    inverse: Int[Array, " copies"]
+    local_order: Int[Array, " rows"]  # dispatched row r is received row local_order[r]
+    local_inverse: Int[Array, " rows"]
+    # padded all-to-all: send slot of each sorted copy (out of range: dropped) and its inverse
+    slot_of_copy: Int[Array, " copies"] | None = None
+    copy_of_slot: Int[Array, " rows"] | None = None
+    # ragged all-to-all: the dispatch exchange and its reverse
+    send: RaggedOffsets | None = None
+    back: RaggedOffsets | None = None
+
+
+def _axis_size(axis_name: str) -> int:
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"AllToAllDispatcher(axis_name={axis_name!r}) must run inside jax.shard_map over a "
+            f"mesh with a {axis_name!r} axis (the expert weights then hold the local experts); "
+            "wrap the layer with dropless.sharding.shard_moe, or the train step with "
+            "dropless.sharding.make_train_step"
+        ) from None
+
+
+class AllToAllDispatcher(AbstractDispatcher):
+    """Expert-parallel dispatch over the mesh axis `axis_name` (run inside `jax.shard_map`).
+
+    - `recv_factor`: None (default) sizes the receive buffer for the worst case, so nothing can
+      ever be dropped; a number > 0 sizes it to that multiple of the balanced load (see
+      `buffer_rows`), and overflowing copies are handled by `overflow`.
+    - `overflow`: "raise" (default) fails at run time if any copy overflowed; "drop" drops them
+      (their expert contribution is zero) and counts them in `Dispatched.dropped`.
+    - `exchange`: "all_to_all" (padded, any platform), "ragged" (`jax.lax.ragged_all_to_all`,
+      GPU/TPU), or "auto" (ragged on GPU/TPU, padded elsewhere).
+
+    `Dispatched.dropped` counts this device's copies that were dropped (sum over devices for the
+    total); `group_sizes` has one entry per local expert.
+    """
+
+    axis_name: str = eqx.field(default="expert", static=True)
+    recv_factor: float | None = eqx.field(default=None, static=True)
+    overflow: Overflow = eqx.field(default="raise", static=True)
+    exchange: Exchange = eqx.field(default="auto", static=True)
+
+    supports_expert_parallel: ClassVar[bool] = True
+
+    def __check_init__(self):
+        if not isinstance(self.axis_name, str) or not self.axis_name:
+            raise ValueError(
+                f"axis_name must be a non-empty mesh axis name, got {self.axis_name!r}"
+            )
+        f = self.recv_factor
+        if f is not None and (
+            isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0
+        ):
+            raise ValueError(
+                f"recv_factor must be None (worst-case buffer, never drops) or a finite number "
+                f"> 0 (a multiple of the balanced load), got {f!r}"
+            )
+        if self.overflow not in ("raise", "drop"):
+            raise ValueError(f"overflow must be 'raise' or 'drop', got {self.overflow!r}")
+        if self.exchange not in ("auto", "all_to_all", "ragged"):
+            raise ValueError(
+                f"exchange must be 'auto', 'all_to_all' or 'ragged', got {self.exchange!r}"
+            )
+
+    def _dispatch(self, x, routing):
+        ep = _axis_size(self.axis_name)
+        tokens, k = routing.expert_ids.shape
+        n_experts = routing.scores.shape[-1]
+        if n_experts % ep:
+            raise ValueError(
+                f"n_routed_experts ({n_experts}) must be divisible by the size of mesh axis "
+                f"{self.axis_name!r} ({ep}): each device holds n_routed_experts / {ep} experts"
+            )
+        local = n_experts // ep
+        n_copies = tokens * k
+        me = jax.lax.axis_index(self.axis_name)
+
+        # 1. sort the local copies by global expert: destination blocks, expert-sorted inside
+        flat_ids = routing.expert_ids.reshape(-1)
+        order = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n_copies, dtype=jnp.int32))
+        copies = jnp.broadcast_to(x[:, None, :], (tokens, k, x.shape[-1])).reshape(n_copies, -1)
+        sorted_x = permute_rows(copies, order, inverse)
+
+        # 2. exchange counts: counts[q, d, l] = copies source q sends local expert l of device d
+        own = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
+        counts = jax.lax.all_gather(own, self.axis_name).reshape(ep, ep, local)
+        pair = counts.sum(-1)  # [source, destination]
+        send_start = _exclusive_cumsum(pair)  # where each destination block starts, per source
+
+        # 3. the static bound, what fits, and where it lands
+        mode = resolve_exchange(self.exchange)
+        if mode == "all_to_all":
+            bound = pair_bound(n_copies, ep, self.recv_factor)
+            kept = jnp.minimum(pair, bound)
+            land = jnp.broadcast_to(jnp.arange(ep, dtype=jnp.int32)[:, None] * bound, (ep, ep))
+            n_rows = ep * bound
+        else:
+            n_rows = ragged_bound(n_copies, ep, self.recv_factor)
+            land = _exclusive_cumsum(pair, axis=0)  # source q's rows start here on destination d
+            kept = jnp.clip(n_rows - land, 0, pair)
+        # the first kept[q, d] copies of each (expert-sorted) block are kept
+        kept_e = jnp.clip(kept[..., None] - _exclusive_cumsum(counts), 0, counts)
+        dropped_here = (pair[me] - kept[me]).sum()
+        dropped_anywhere = (pair - kept).sum()
+
+        if mode == "all_to_all":
+            rank = jnp.arange(n_copies, dtype=jnp.int32)
+            dest = flat_ids[order] // local
+            j = rank - send_start[me][dest]
+            slot_of_copy = jnp.where(j < bound, dest * bound + j, n_rows).astype(jnp.int32)
+            copy_of_slot = (
+                jnp.full((n_rows,), n_copies, jnp.int32).at[slot_of_copy].set(rank, mode="drop")
+            )
+            send_buf = take_rows(sorted_x, copy_of_slot, slot_of_copy)
+            received = jax.lax.all_to_all(send_buf, self.axis_name, 0, 0, tiled=True)
+            exchange_plan = dict(slot_of_copy=slot_of_copy, copy_of_slot=copy_of_slot)
+        else:
+            fwd = RaggedOffsets(send_start[me], kept[me], land[me], kept[:, me])
+            back = RaggedOffsets(land[:, me], kept[:, me], send_start[:, me], kept[me])
+            received = ragged_exchange(sorted_x, fwd, back, n_rows, self.axis_name)
+            exchange_plan = dict(send=fwd, back=back)
+
+        # 4. expert-contiguous layout of the received rows. Segment (q, l) = the rows of local
+        # expert l from source q: it starts at land[q, me] + (rows of lower experts from q).
+        got = kept_e[:, me, :]  # [source, local expert]
+        seg_start = (land[:, me, None] + _exclusive_cumsum(got)).reshape(-1)
+        seg_size = got.reshape(-1)
+        row = jnp.arange(n_rows, dtype=jnp.int32)
+        seg = jnp.searchsorted(seg_start, row, side="right").astype(jnp.int32) - 1
+        seg_c = jnp.clip(seg, 0, ep * local - 1)
+        valid = (seg >= 0) & (row < seg_start[seg_c] + seg_size[seg_c])
+        q, lx = seg_c // local, seg_c % local
+        group_sizes = got.sum(0)
+        group_start = _exclusive_cumsum(group_sizes)
+        before = _exclusive_cumsum(got, axis=0)  # rows of expert l from lower sources
+        target = group_start[lx] + before[q, lx] + row - seg_start[seg_c]
+        spare = group_sizes.sum() + jnp.cumsum(~valid) - 1  # padding goes to the tail, in order
+        local_inverse = jnp.where(valid, target, spare).astype(jnp.int32)
+        local_order = jnp.zeros_like(local_inverse).at[local_inverse].set(row)
+        rows = permute_rows(received, local_order, local_inverse)
+
+        if self.recv_factor is not None and self.overflow == "raise":
+            flag = eqx.error_if(jnp.zeros((), rows.dtype), dropped_anywhere > 0, OVERFLOW_MESSAGE)
+            rows = rows + flag  # ties the check to the data path (a no-op add of zero)
+        plan = AllToAllPlan(order, inverse, local_order, local_inverse, **exchange_plan)
+        return Dispatched(
+            rows=rows,
+            group_sizes=group_sizes,
+            plan=plan,
+            dropped=dropped_here.astype(jnp.float32),
+        )
+
+    def _combine(self, y_rows, dispatched, routing):
+        tokens, k = routing.expert_ids.shape
+        plan: AllToAllPlan = dispatched.plan
+        y_received = permute_rows(y_rows, plan.local_inverse, plan.local_order)
+        if plan.send is None:
+            back = jax.lax.all_to_all(y_received, self.axis_name, 0, 0, tiled=True)
+            y_sorted = take_rows(back, plan.slot_of_copy, plan.copy_of_slot)
+        else:
+            y_sorted = ragged_exchange(y_received, plan.back, plan.send, tokens * k, self.axis_name)
+        y_copies = permute_rows(y_sorted, plan.inverse, plan.order).reshape(tokens, k, -1)
+        y = jnp.einsum("tkd,tk->td", y_copies.astype(jnp.float32), routing.weights)
+        return y.astype(y_rows.dtype)
+
+
+def ep_backend(
+    axis_name: str = "expert",
+    *,
+    recv_factor: float | None = None,
+    overflow: Overflow = "raise",
+    exchange: Exchange = "auto",
+):
+    """The "ep" bundle: all-to-all dispatch over `axis_name`, chunked grouped matmul, jnp top-k."""
+    from dropless.backends import Backend  # the registry imports this module lazily
+
+    dispatcher = AllToAllDispatcher(
+        axis_name=axis_name, recv_factor=recv_factor, overflow=overflow, exchange=exchange
+    )
+    return Backend(dispatcher=dispatcher, gmm=ChunkedGroupedMatmul(), topk=JnpTopK())
+
+
+__all__ = [
+    "AllToAllDispatcher",
+    "AllToAllPlan",
+    "RaggedOffsets",
+    "buffer_rows",
+    "ep_backend",
+    "pair_bound",
+    "ragged_bound",
+    "ragged_exchange",
+    "resolve_exchange",
+    "take_rows",
+]
