@@ -119,7 +119,11 @@ def bench_gmm(strategies, quick, tiny=False):
     return rows_out
 
 
-def bench_layer(quick, tiny=False, token_counts=(8192, 16384, 32768)):
+LAYER_BACKENDS = "jnp,jnp-capacity,te,te-gmm,pallas,ragged"
+
+
+def bench_layer(quick, tiny=False, token_counts=(8192, 16384, 32768), layer_backends=None):
+    layer_backends = layer_backends or LAYER_BACKENDS.split(",")
     dim, hidden, experts, k = (128, 32, 16, 4) if tiny else (7168, 2048, 256, 8)
     spec = RoutingSpec(
         experts,
@@ -132,7 +136,7 @@ def bench_layer(quick, tiny=False, token_counts=(8192, 16384, 32768)):
     )
     moe = MoE(dim, hidden, spec, n_shared_experts=1, dtype=jnp.bfloat16, key=jax.random.key(0))
     dense = SwiGLU(dim, hidden * (k + 1), dtype=jnp.bfloat16, key=jax.random.key(1))
-    names = ["jnp", "jnp-capacity", "te", "te-gmm", "pallas", "ragged"]
+    names = layer_backends
     rows = []
     for tokens in [256] if tiny else [8192] if quick else token_counts:
         x = jax.random.normal(jax.random.key(2), (tokens, dim), jnp.bfloat16)
@@ -215,6 +219,7 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="toy shapes: a CPU smoke run")
     parser.add_argument("--strategies", default="", help="comma-separated subset of strategies")
     parser.add_argument("--tokens", default="8192,16384,32768", help="MoE layer token counts")
+    parser.add_argument("--layer-backends", default=LAYER_BACKENDS, help="MoE layer backends")
     parser.add_argument("--skip-gmm", action="store_true")
     parser.add_argument("--skip-layer", action="store_true")
     args = parser.parse_args()
@@ -228,7 +233,8 @@ def main():
         write_results(args.out, "grouped_matmul", gmm_rows, meta)
         plot(gmm_rows, args.out)
     if not args.skip_layer:
-        layer_rows = bench_layer(args.quick, args.tiny, [int(t) for t in args.tokens.split(",")])
+        tokens = [int(t) for t in args.tokens.split(",")]
+        layer_rows = bench_layer(args.quick, args.tiny, tokens, args.layer_backends.split(","))
         write_results(args.out, "moe_layer", layer_rows, meta)
 
 

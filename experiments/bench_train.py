@@ -1,0 +1,102 @@
+"""Train-step throughput and MFU of a DeepSeek-V3 preset, per backend.
+
+    python experiments/bench_train.py --preset proxy-2b --backends te,jnp-capacity,jnp
+
+Model FLOPs per token = 6 x (active matmul parameters: active params without the input
+embedding, plus the MTP modules' active params and their pass through the shared head)
++ attention (QK^T and AV, 2 * seq * heads * (qk_head_dim + v_head_dim) per token per layer
+forward, causal mask not discounted, times 3 for forward + backward).
+MFU = model FLOP/s over --peak (989 TFLOP/s: H200 dense bf16, datasheet).
+"""
+
+import argparse
+import pathlib
+import statistics
+import time
+
+import jax
+from _timing import machine, print_table, write_results
+
+from dropless.backends import BackendUnavailableError
+from dropless.models.deepseek_v3 import DeepSeekV3, count_params, get_preset
+from dropless.train import TrainConfig, init_state, train_step
+
+
+def flops_per_token(config, seq: int) -> float:
+    counts = count_params(config)
+    depth = config.num_nextn_predict_layers
+    head = counts.head or counts.embedding  # a tied head reuses the embedding matrix
+    matmul_params = counts.active - counts.embedding + counts.mtp_active + depth * head
+    layers = config.num_hidden_layers + depth
+    attention = 2 * seq * config.num_attention_heads * (config.qk_head_dim + config.v_head_dim)
+    return 6 * matmul_params + 3 * layers * attention
+
+
+def bench(config, backend, batch, seq, steps):
+    model = DeepSeekV3(config, backend=backend, key=jax.random.key(0))
+    state = init_state(model, TrainConfig(steps=1000, warmup_steps=10))
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, config.vocab_size)
+    state, metrics = train_step(state, tokens)  # compile
+    jax.block_until_ready(metrics["loss"])
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = train_step(state, tokens)
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), float(metrics["loss"])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="proxy-2b")
+    parser.add_argument("--backends", default="te,jnp-capacity,jnp")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--peak", type=float, default=989e12, help="peak FLOP/s for MFU")
+    parser.add_argument("--compute-dtype", default="bfloat16")
+    parser.add_argument("--remat", default="none")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_train"))
+    args = parser.parse_args()
+    names = args.backends.split(",")
+    if "te" in names:  # TE must load before JAX starts its GPU backend (cuDNN order)
+        try:
+            from dropless.backends import te
+
+            te.load_te()
+        except BackendUnavailableError as err:
+            print("te unavailable:", err)
+    config = get_preset(args.preset, compute_dtype=args.compute_dtype, remat=args.remat)
+    per_token = flops_per_token(config, args.seq)
+    tokens = args.batch * args.seq
+    meta = {"machine": machine(), "preset": args.preset, "batch": args.batch, "seq": args.seq}
+    print(meta, f"model GFLOP/token {per_token / 1e9:.2f}")
+    rows = []
+    for name in names:
+        try:
+            t, loss = bench(config, name, args.batch, args.seq, args.steps)
+        except BackendUnavailableError as err:
+            rows.append({"backend": name, "status": f"unavailable: {err}"[:100]})
+            continue
+        except Exception as err:  # noqa: BLE001 -- report OOM and go on
+            rows.append({"backend": name, "status": f"error: {str(err)[:120]}"})
+            continue
+        rows.append(
+            {
+                "backend": name,
+                "status": "ok",
+                "step s": t,
+                "tokens/s": tokens / t,
+                "model TFLOP/s": per_token * tokens / t / 1e12,
+                "MFU": per_token * tokens / t / args.peak,
+                "loss": loss,
+            }
+        )
+        print_table(rows[-1:])
+    print_table(rows, f"{args.preset}, batch {args.batch} x {args.seq}, {config.compute_dtype}")
+    write_results(args.out, f"train_{args.preset}", rows, meta)
+
+
+if __name__ == "__main__":
+    main()
