@@ -116,6 +116,9 @@ def _te_supports(spec: RoutingSpec) -> bool:
     """TE's fused router computes exactly our rule for these settings (and not others)."""
     if spec.n_group > 1 and spec.group_score != "top2_sum":
         return False
+    # TE's kernel asserts topk % group_topk == 0 (seen on the H200 with top-6 of 4 groups)
+    if spec.n_group > 1 and spec.num_experts_per_tok % spec.topk_group:
+        return False
     if spec.scoring_func == "softmax":
         if spec.use_expert_bias:
             return False

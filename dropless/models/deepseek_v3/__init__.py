@@ -1,6 +1,7 @@
 """DeepSeek-V3 (and V2) at any size: config, model, multi-token prediction, presets, counts."""
 
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
+from dropless.models.deepseek_v3.hf import from_pretrained, save_pretrained
 from dropless.models.deepseek_v3.layers import make_block, scan_blocks, stack_blocks, unstack
 from dropless.models.deepseek_v3.model import (
     DeepSeekV3,
@@ -22,9 +23,11 @@ __all__ = [
     "ParamCount",
     "check_tokens",
     "count_params",
+    "from_pretrained",
     "get_preset",
     "make_block",
     "mtp_targets",
+    "save_pretrained",
     "scan_blocks",
     "stack_blocks",
     "unstack",

@@ -1,0 +1,163 @@
+"""Which Hugging Face checkpoint tensor fills which part of which dropless parameter.
+
+One table, used in both directions by `dropless.models.deepseek_v3.hf`: `tensor_table` lists every
+tensor of a DeepSeek-V2/V3 checkpoint (the names of DeepSeek's release: `model.layers.{L}.*`,
+per-expert `mlp.experts.{e}.*`, MTP modules as layers `num_hidden_layers + d`) with its shape and
+the slots of dropless leaves it fills. A slot is a leaf path (`moe_layers.mlp.experts.w_gate`),
+leading indices into it (layer, expert) and whether Hugging Face stores it transposed ([out in]
+where dropless stores [in out]). A tensor with several slots is their concatenation along axis
+-2: the fused `mlp.experts.gate_up_proj` [experts 2*hidden dim] that recent `transformers` writes.
+"""
+
+import dataclasses
+import math
+import re
+from collections.abc import Collection, Mapping
+
+from dropless.models.deepseek_v3.config import DeepSeekV3Config
+
+# Hugging Face nn.Linear names whose [out in] weight dropless stores as [in out] (MLA, dense MLP).
+_ATTN_PROJ = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+_ATTN_NORMS = ("q_a_layernorm", "kv_a_layernorm")
+_SWIGLU = (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down"))
+
+# "model.layers.{L}.mlp.experts.gate_up_proj" and ".down_proj": the fused layout of a layer.
+FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """`leaf[index]` (a dropless parameter, indexed on its leading stacked axes); `transpose`:
+    the checkpoint holds it with the last two axes swapped."""
+
+    leaf: str
+    index: tuple[int, ...]
+    transpose: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One checkpoint tensor: its name, shape and the slots it fills (concatenated along -2).
+
+    `duplicate`: a copy of a tensor listed elsewhere (an MTP module's `embed_tokens` and
+    `shared_head.head`, a tied `lm_head`); import checks its shape but does not read it, and it
+    is optional. `write`: export writes it.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    slots: tuple[Slot, ...]
+    duplicate: bool = False
+    write: bool = True
+
+
+def _shape(slots: tuple[Slot, ...], leaves: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    parts = []
+    for s in slots:
+        part = leaves[s.leaf][len(s.index) :]
+        if s.transpose:
+            part = (*part[:-2], part[-1], part[-2])
+        parts.append(part)
+    if len(parts) == 1:
+        return tuple(parts[0])
+    first = parts[0]
+    return (*first[:-2], sum(p[-2] for p in parts), first[-1])
+
+
+def tensor_table(
+    leaves: Mapping[str, tuple[int, ...]],
+    config: DeepSeekV3Config,
+    *,
+    fused_layers: Collection[int] = (),
+) -> dict[str, HFTensor]:
+    """Every checkpoint tensor of the model whose parameter shapes are `leaves` ({leaf path:
+    shape}, as `jax.tree_util.keystr(path, simple=True, separator=".")` spells the path).
+
+    Layers in `fused_layers` (Hugging Face layer numbers) hold their routed experts in the fused
+    layout (`gate_up_proj`, `down_proj`), the others one tensor per expert and projection.
+    Parameters absent from `leaves` (no q LoRA, no shared experts, no expert bias, a tied head,
+    no MTP) have no tensors.
+    """
+    table: dict[str, HFTensor] = {}
+
+    def add(name: str, *slots: Slot, duplicate: bool = False, write: bool = True) -> None:
+        table[name] = HFTensor(name, _shape(slots, leaves), slots, duplicate, write)
+
+    def block(hf: str, stack: str, index: tuple[int, ...], layer: int) -> None:
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            add(f"{hf}.{norm}.weight", Slot(f"{stack}.{norm}.weight", index, False))
+        for proj in _ATTN_PROJ:
+            if f"{stack}.self_attn.{proj}" in leaves:
+                add(f"{hf}.self_attn.{proj}.weight", Slot(f"{stack}.self_attn.{proj}", index, True))
+        for norm in _ATTN_NORMS:
+            if f"{stack}.self_attn.{norm}.weight" in leaves:
+                leaf = f"{stack}.self_attn.{norm}.weight"
+                add(f"{hf}.self_attn.{norm}.weight", Slot(leaf, index, False))
+        mlp = f"{stack}.mlp"
+        if f"{mlp}.w_gate" in leaves:  # dense SwiGLU
+            for name, w in _SWIGLU:
+                add(f"{hf}.mlp.{name}.weight", Slot(f"{mlp}.{w}", index, True))
+            return
+        add(f"{hf}.mlp.gate.weight", Slot(f"{mlp}.router.w_router", index, False))
+        if f"{mlp}.router.expert_bias" in leaves:
+            bias = Slot(f"{mlp}.router.expert_bias", index, False)
+            add(f"{hf}.mlp.gate.e_score_correction_bias", bias)
+        if f"{mlp}.shared.w_gate" in leaves:
+            for name, w in _SWIGLU:
+                shared = Slot(f"{mlp}.shared.{w}", index, True)
+                add(f"{hf}.mlp.shared_experts.{name}.weight", shared)
+        experts = f"{mlp}.experts"
+        if layer in fused_layers:
+            gate, up = Slot(f"{experts}.w_gate", index, True), Slot(f"{experts}.w_up", index, True)
+            add(f"{hf}.mlp.experts.gate_up_proj", gate, up)
+            add(f"{hf}.mlp.experts.down_proj", Slot(f"{experts}.w_down", index, True))
+            return
+        for e in range(leaves[f"{experts}.w_gate"][len(index)]):
+            for name, w in _SWIGLU:
+                expert = Slot(f"{experts}.{w}", (*index, e), True)
+                add(f"{hf}.mlp.experts.{e}.{name}.weight", expert)
+
+    add("model.embed_tokens.weight", Slot("embed_tokens", (), False))
+    first_k, n_layers = config.first_k_dense_replace, config.num_hidden_layers
+    for layer in range(n_layers):
+        if layer < first_k:
+            block(f"model.layers.{layer}", "dense_layers", (layer,), layer)
+        else:
+            block(f"model.layers.{layer}", "moe_layers", (layer - first_k,), layer)
+    add("model.norm.weight", Slot("norm.weight", (), False))
+    tied = "lm_head" not in leaves
+    head = Slot("embed_tokens", (), False) if tied else Slot("lm_head", (), True)
+    # transformers leaves a tied head out of the files; accept (and ignore) it on import.
+    add("lm_head.weight", head, duplicate=tied, write=not tied)
+    if "mtp.layers.eh_proj" in leaves:
+        for d in range(leaves["mtp.layers.eh_proj"][0]):
+            hf, index = f"model.layers.{n_layers + d}", (d,)
+            for norm in ("enorm", "hnorm"):
+                add(f"{hf}.{norm}.weight", Slot(f"mtp.layers.{norm}.weight", index, False))
+            add(f"{hf}.eh_proj.weight", Slot("mtp.layers.eh_proj", index, True))
+            norm = Slot("mtp.layers.shared_head.norm.weight", index, False)
+            add(f"{hf}.shared_head.norm.weight", norm)
+            block(hf, "mtp.layers.block", index, n_layers + d)
+            # DeepSeek's release stores each MTP module with its own copy of embedding and head.
+            add(f"{hf}.embed_tokens.weight", Slot("embed_tokens", (), False), duplicate=True)
+            add(f"{hf}.shared_head.head.weight", head, duplicate=True)
+    return table
+
+
+def check_coverage(table: Mapping[str, HFTensor], leaves: Mapping[str, tuple[int, ...]]) -> None:
+    """Raises AssertionError unless the non-duplicate tensors fill every leaf exactly once
+    (a property of `tensor_table`, checked on every import)."""
+    filled = dict.fromkeys(leaves, 0)
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    for t in table.values():
+        if t.duplicate:
+            continue
+        for s in t.slots:
+            if (s.leaf, s.index) in seen:
+                raise AssertionError(f"{s.leaf}{list(s.index)} is filled twice (by {t.name})")
+            seen.add((s.leaf, s.index))
+            filled[s.leaf] += math.prod(leaves[s.leaf][len(s.index) :])
+    for leaf, shape in leaves.items():
+        if filled[leaf] != math.prod(shape):
+            raise AssertionError(f"{leaf}: {filled[leaf]} of {math.prod(shape)} values mapped")
