@@ -59,7 +59,7 @@ def router_z_loss(logits: Float[Array, "tokens experts"]) -> Float[Array, ""]:
 def update_expert_bias(
     bias: Float[Array, "*layers experts"],
     tokens_per_expert: Float[Array, "*layers experts"],
-    rate: float,
+    rate: float | Float[Array, ""],
 ) -> Float[Array, "*layers experts"]:
     """Aux-loss-free balancing (DeepSeek-V3): raise the bias of under-loaded experts, lower the
     bias of over-loaded ones, by `rate` each step. Works on stacked layers too; never a gradient."""

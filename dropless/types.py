@@ -7,6 +7,7 @@ its own. docs/conventions.md carries the same table.
 GLOSSARY: dict[str, str] = {
     "batch": "sequences in a batch",
     "seq": "positions in a sequence",
+    "window": "seq + 1 tokens of a training window (inputs and next-token targets)",
     "tokens": "flattened batch * seq positions: the MoE layer's unit of work",
     "dim": "model (residual stream) width, `hidden_size` in Hugging Face configs",
     "hidden": "inner width of a SwiGLU feed-forward network (`intermediate_size`, "

@@ -1,0 +1,77 @@
+"""Training: loss and steps, optimiser, data, checkpoints, metrics, and the loop.
+
+from dropless.models.deepseek_v3 import get_preset
+from dropless.train import TrainConfig, train
+
+results = train(get_preset("tiny"), TrainConfig(steps=200), out_dir="runs/tiny")
+"""
+
+from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
+from dropless.train.config import TrainConfig
+from dropless.train.data import (
+    AbstractDataset,
+    Batch,
+    SyntheticCorpus,
+    TokenFile,
+    token_file_splits,
+)
+from dropless.train.loop import (
+    TrainingDiverged,
+    TrainResults,
+    config_dict,
+    evaluate,
+    make_datasets,
+    train,
+)
+from dropless.train.metrics import Callback, MetricsWriter, ProgressBar, TensorBoard, read_jsonl
+from dropless.train.optim import (
+    expert_bias_filter,
+    learning_rate,
+    optimizer,
+    trainable_filter,
+    warmup_cosine,
+    weight_decay_mask,
+)
+from dropless.train.step import (
+    TrainState,
+    eval_step,
+    init_state,
+    loss_terms,
+    total_loss,
+    train_step,
+)
+
+__all__ = [
+    "AbstractDataset",
+    "Batch",
+    "Callback",
+    "CheckpointError",
+    "Checkpointer",
+    "MetricsWriter",
+    "ProgressBar",
+    "SyntheticCorpus",
+    "TensorBoard",
+    "TokenFile",
+    "TrainConfig",
+    "TrainResults",
+    "TrainState",
+    "TrainingDiverged",
+    "config_dict",
+    "eval_step",
+    "evaluate",
+    "expert_bias_filter",
+    "init_state",
+    "learning_rate",
+    "loss_terms",
+    "make_datasets",
+    "open_for_resume",
+    "optimizer",
+    "read_jsonl",
+    "token_file_splits",
+    "total_loss",
+    "train",
+    "train_step",
+    "trainable_filter",
+    "warmup_cosine",
+    "weight_decay_mask",
+]

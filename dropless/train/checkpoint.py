@@ -1,0 +1,131 @@
+"""Checkpoints with orbax-checkpoint: every array of a pytree (model, optimiser state, step), plus
+a small JSON of metadata (configs, step), under `<directory>/<step>/`.
+
+Only arrays are written. Restoring takes a freshly built pytree of the same structure (`like`)
+and fills its arrays, so the static parts (functions, strategies, configs) always come from code.
+"""
+
+import os
+
+import equinox as eqx
+import jax
+import orbax.checkpoint as ocp
+from jaxtyping import PyTree
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing, empty, corrupt, or does not fit the model."""
+
+
+class Checkpointer:
+    """Saves and restores training states in `directory`, keeping the last `keep` of them.
+
+    Saving is asynchronous: `save` returns once the arrays are copied off the device, and the
+    files are written in the background; `wait()` (and `close()`) block until they are.
+    """
+
+    def __init__(self, directory: str, *, keep: int = 3):
+        self.directory = os.path.abspath(directory)
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise CheckpointError(f"checkpoint path {self.directory} exists and is not a directory")
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        )
+
+    def steps(self) -> list[int]:
+        """Steps that have a checkpoint, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest checkpointed step, or None."""
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: PyTree, meta: dict) -> None:
+        """Writes the arrays of `state` and the JSON-serialisable `meta` as checkpoint `step`."""
+        arrays = eqx.filter(state, eqx.is_array)
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
+            ),
+        )
+
+    def read_meta(self, step: int | None = None) -> dict:
+        """The metadata saved with checkpoint `step` (default: the latest)."""
+        step = self._resolve(step)
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )
+        except Exception as err:  # orbax raises many types for unreadable files
+            raise CheckpointError(
+                f"checkpoint {self._path(step)} is corrupt or incomplete: cannot read its "
+                f"metadata ({type(err).__name__}: {err})"
+            ) from err
+        return dict(restored.meta)
+
+    def restore(self, like: PyTree, step: int | None = None) -> tuple[PyTree, dict]:
+        """(state, meta) of checkpoint `step` (default: the latest).
+
+        `like` is a pytree of the same structure (shapes, dtypes) as the saved state, e.g. a
+        freshly initialised one; its arrays are replaced by the saved ones.
+        """
+        step = self._resolve(step)
+        arrays, static = eqx.partition(like, eqx.is_array)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as err:  # orbax raises many types for unreadable files
+            raise CheckpointError(
+                f"cannot restore checkpoint {self._path(step)}: it is corrupt, incomplete, or "
+                f"was written for a different model ({type(err).__name__}: {err})"
+            ) from err
+        return eqx.combine(restored.state, static), dict(restored.meta)
+
+    def wait(self) -> None:
+        """Blocks until every started save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finishes pending saves and releases the manager."""
+        self._manager.close()
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _resolve(self, step: int | None) -> int:
+        self._manager.reload()
+        steps = self.steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoint found in {self.directory}")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise CheckpointError(
+                f"no checkpoint for step {step} in {self.directory}; available: {steps}"
+            )
+        return step
+
+
+def open_for_resume(directory: str, *, keep: int = 3) -> Checkpointer:
+    """A Checkpointer on an existing directory holding at least one checkpoint, or a clear
+    CheckpointError (missing directory, not a directory, no checkpoints)."""
+    if not os.path.exists(directory):
+        raise CheckpointError(
+            f"cannot resume: checkpoint directory {os.path.abspath(directory)} does not exist"
+        )
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"cannot resume: {os.path.abspath(directory)} is not a directory")
+    checkpointer = Checkpointer(directory, keep=keep)
+    if checkpointer.latest_step() is None:
+        raise CheckpointError(
+            f"cannot resume: no checkpoint found in {checkpointer.directory} "
+            "(a checkpoint is a numbered sub-directory written by a previous run)"
+        )
+    return checkpointer

@@ -1,0 +1,184 @@
+"""The `dropless` command: an end-to-end smoke run, option parsing, help, and clear errors.
+
+The smoke run trains the tiny preset at batch 8 x 32 tokens, the shapes of tests/train, so it
+shares their compiled steps.
+"""
+
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+import dropless
+from dropless import cli
+from dropless.models.deepseek_v3 import DeepSeekV3Config
+from dropless.train.checkpoint import Checkpointer
+from dropless.train.config import TrainConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(dropless.__file__)))
+SMALL_RUN = [
+    "--steps", "6", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "2",
+    "--eval-every", "3", "--eval-batches", "1", "--checkpoint-every", "3",
+    "--backend", "jnp", "--no-progress", "--no-compile-cache",
+]  # fmt: skip
+
+
+def _is_png(path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["train", *SMALL_RUN, "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for name in ("metrics.jsonl", "checkpoints", "loss.png", "expert_load.png"):
+        assert str(out / name) in printed
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    evals = [r for r in records if r["split"] == "eval"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in evals] == [3, 6]
+    keys = "step loss ce mtp balance_loss seq_balance_loss z_loss max_vio tokens_per_s step_time lr"
+    for record in train:
+        assert set(keys.split()) <= set(record)
+        assert record["loss"] > 0 and record["tokens_per_s"] > 0
+    assert train[-1]["loss"] < train[0]["loss"]
+
+    assert Checkpointer(str(out / "checkpoints")).steps() == [3, 6]
+    assert any(p.stat().st_size > 1000 for p in (out / "checkpoints" / "6").rglob("*"))
+    for plot in ("loss.png", "expert_load.png"):
+        assert _is_png(out / plot) and (out / plot).stat().st_size > 10_000
+
+    # the written config reproduces the run's settings
+    command = cli.parse(["train", "--config", str(out / "config.yaml")])
+    model, train_config = command.configs()
+    assert model == cli.get_preset("tiny") and train_config.steps == 6
+    assert command.backend == "jnp"
+
+
+def test_preset_yaml_flags_and_set_compose(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "preset": "tiny",
+                "backend": "ragged",
+                "model": {"hidden_size": 32, "n_routed_experts": 8},
+                "train": {"steps": 5, "lr": 0.01},
+            }
+        )
+    )
+    command = cli.parse(
+        [
+            "train", "--config", str(config), "--steps", "9",
+            "--model.n-routed-experts", "4",
+            "--set", "model.num_experts_per_tok=1", "train.batch_size=3", "train.eps=1e-6",
+        ]
+    )  # fmt: skip
+    model, train = command.configs()
+    assert command.backend == "ragged"
+    assert (model.hidden_size, model.n_routed_experts, model.num_experts_per_tok) == (32, 4, 1)
+    assert (train.steps, train.lr, train.batch_size, train.eps) == (9, 0.01, 3, 1e-6)
+    assert model.vocab_size == cli.get_preset("tiny").vocab_size  # the rest from the preset
+
+    small = cli.parse(["train", "--preset", "small"]).configs()[0]
+    assert small == cli.get_preset("small")
+    scaled = cli.parse(
+        ["train", "--model.rope-scaling", "{type: yarn, factor: 4, beta_fast: 32, beta_slow: 1}"]
+    ).configs()[0]
+    assert scaled.rope_scaling == {"type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "--preset", "nope"], "unknown preset 'nope'; known presets: tiny, small"),
+        (["train", "--set", "model.n_routed_experts"], "expected model.<field>=<value>"),
+        (["train", "--set", "model.n_experts=3"], "unknown field(s) n_experts"),
+        (["train", "--set", "train.steps=0"], "TrainConfig.steps must be >= 1"),
+        (["train", "--set", "train.lr=fast"], "lr must be a number, got 'fast'"),
+        (["train", "--model.num-hidden-layers", "0"], "num_hidden_layers (0) must be >= 1"),
+        (["train", "--config", "missing.yaml"], "config file not found"),
+        (["train", "--resume"], "--resume needs --out-dir"),
+    ],
+)
+def test_bad_options_are_clear_errors(args, message, capsys):
+    assert cli.main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_yaml_config_is_a_clear_error(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump({"model": {"hidden": 3}, "optimizer": {}}))
+    assert cli.main(["train", "--config", str(config)]) == 2
+    assert "unknown section(s) optimizer" in capsys.readouterr().err
+    config.write_text(yaml.safe_dump({"model": {"hidden": 3}}))
+    assert cli.main(["train", "--config", str(config)]) == 2
+    assert "unknown field(s) hidden" in capsys.readouterr().err
+
+
+def test_unknown_backend_lists_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--backend", "nope"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "'jnp'" in err and "'auto'" in err
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings of a dataclass (what tyro shows as each option's help)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for field, doc in zip(body, body[1:], strict=False):
+        if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr):
+            docs[field.target.id] = doc.value.value
+    return docs
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0
+    top = capsys.readouterr().out
+    assert "train" in top and "presets" in top
+
+    run = subprocess.run(
+        [sys.executable, "-m", "dropless", "train", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO, "COLUMNS": "80"},
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.replace("│", " ").split())
+    for flag in (
+        "--preset", "--config", "--backend", "--out-dir", "--set", "--steps", "--batch-size",
+        "--seq-len", "--seed", "--checkpoint-every", "--resume", "--eval-every", "--lr",
+        "--model.hidden-size", "--model.n-routed-experts", "--bias-update-rate",
+    ):  # fmt: skip
+        assert flag in text, flag
+    # every option comes with an explanation: each field's help, as tyro shows it
+    model_fields = {f.name for f in dataclasses.fields(DeepSeekV3Config)}
+    assert set(cli.MODEL_HELP) == model_fields, "cli.MODEL_HELP must cover DeepSeekV3Config"
+    train_docs = _field_docs(TrainConfig)
+    assert set(train_docs) == {f.name for f in dataclasses.fields(TrainConfig)}
+    command_docs = _field_docs(cli.TrainCommand)
+    for doc in [*cli.MODEL_HELP.values(), *train_docs.values(), *command_docs.values()]:
+        start = " ".join(doc.split()[:5])
+        assert start in text, start
+
+
+def test_presets_lists_sizes(capsys):
+    assert cli.main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek-v3-671b" in out and "tiny" in out

@@ -1,0 +1,87 @@
+"""Checkpointer: exact round trip, keep-last-N, and clear errors for missing/corrupt dirs."""
+
+import gc
+
+import jax
+import numpy as np
+import pytest
+
+from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
+from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
+from dropless.train.config import TrainConfig
+from dropless.train.step import init_state
+
+
+def state(seed: int):
+    model = DeepSeekV3(get_preset("tiny"), key=jax.random.key(seed))
+    return init_state(model, TrainConfig())
+
+
+def test_round_trip_is_exact_and_keeps_the_last_few(tmp_path):
+    saved = state(1)
+    checkpointer = Checkpointer(str(tmp_path / "ckpt"), keep=2)
+    for step in (1, 2, 3):
+        checkpointer.save(step, saved, {"step": step, "note": "hello"})
+    checkpointer.wait()
+    assert checkpointer.steps() == [2, 3]
+    restored, meta = checkpointer.restore(state(2))  # different values, same structure
+    checkpointer.close()
+    assert meta == {"step": 3, "note": "hello"}
+    a, b = jax.tree.leaves(saved), jax.tree.leaves(restored)
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(x, y)
+    assert jax.tree.structure(saved) == jax.tree.structure(restored)
+
+
+def test_resume_from_missing_or_empty_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        open_for_resume(str(tmp_path / "nothing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no checkpoint found"):
+        open_for_resume(str(tmp_path / "empty"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        open_for_resume(str(tmp_path / "file"))
+
+
+# orbax leaves its reading coroutines behind when a restore fails; they are collected (and
+# complain) right away here, instead of during some later test.
+orbax_failed_restore = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def _corrupt(directory, step: int) -> None:
+    # every array file of the checkpoint's state goes: what a half-copied directory looks like
+    state_dir = directory / str(step) / "state"
+    for path in state_dir.rglob("*"):
+        if path.is_file() and path.name != "_CHECKPOINT_METADATA":
+            path.write_bytes(b"garbage")
+
+
+@orbax_failed_restore
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    directory = tmp_path / "ckpt"
+    checkpointer = Checkpointer(str(directory))
+    checkpointer.save(5, state(0), {"step": 5})
+    checkpointer.close()
+    _corrupt(directory, 5)
+    with pytest.raises(CheckpointError, match="cannot restore checkpoint .*5"):
+        open_for_resume(str(directory)).restore(state(0))
+    gc.collect()
+
+
+@orbax_failed_restore
+def test_restoring_into_another_model_shape_is_a_clear_error(tmp_path):
+    checkpointer = Checkpointer(str(tmp_path / "ckpt"))
+    checkpointer.save(1, state(0), {"step": 1})
+    checkpointer.wait()
+    other = init_state(
+        DeepSeekV3(get_preset("tiny", hidden_size=32), key=jax.random.key(0)), TrainConfig()
+    )
+    with pytest.raises(CheckpointError, match="different model"):
+        checkpointer.restore(other)
+    with pytest.raises(CheckpointError, match="no checkpoint for step 7"):
+        checkpointer.restore(state(0), step=7)
+    checkpointer.close()
+    gc.collect()

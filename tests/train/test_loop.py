@@ -1,0 +1,178 @@
+"""The training loop end to end on the tiny preset: learning, balancing, exact resume, NaN stop,
+bad input.
+
+Every run uses batch 8 x 32 tokens (as test_step.py), so one compiled train step and one
+compiled eval step serve the whole session.
+"""
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
+from dropless.train import (
+    Callback,
+    Checkpointer,
+    CheckpointError,
+    TrainConfig,
+    TrainingDiverged,
+    config_dict,
+    init_state,
+    read_jsonl,
+    train,
+)
+
+TINY = get_preset("tiny")
+
+
+def config(**changes) -> TrainConfig:
+    base = TrainConfig(
+        steps=40,
+        batch_size=8,
+        seq_len=32,
+        warmup_steps=5,
+        eval_every=0,
+        eval_batches=1,
+        checkpoint_every=0,
+        plots=False,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+class Interrupt(Exception):
+    pass
+
+
+class InterruptAt(Callback):
+    """Raises after step `step` is logged (before that step's checkpoint): a crash."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step(self, record: dict) -> None:
+        if record["step"] == self.step:
+            raise Interrupt
+
+
+def _without_timing(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in ("step_time", "tokens_per_s")}
+
+
+def test_loss_decreases_on_the_synthetic_corpus(tmp_path):
+    results = train(TINY, config(), backend="jnp", out_dir=str(tmp_path))
+    ce = [r["ce"] for r in results.records]
+    assert len(ce) == 40
+    uniform = math.log(TINY.vocab_size)
+    assert ce[0] > uniform - 0.5
+    assert np.mean(ce[-5:]) < ce[0] - 1.0
+    assert results.final_eval["step"] == 40
+    assert results.final_eval["ce"] < uniform - 1.0
+
+
+def test_bias_balancing_lowers_max_vio(tmp_path):
+    runs = {}
+    for rate in (0.0, 1e-2):
+        runs[rate] = train(
+            TINY,
+            config(bias_update_rate=rate, seq_balance_loss_coef=0.0),
+            backend="jnp",
+            out_dir=str(tmp_path / str(rate)),
+        )
+    late = {rate: np.mean([r["max_vio"] for r in run.records[-20:]]) for rate, run in runs.items()}
+    assert late[1e-2] < 0.8 * late[0.0]
+
+    def overall(load):  # MaxVio of the load summed over the run, mean over layers
+        return np.mean(load.max(-1) / load.mean(-1) - 1)
+
+    assert overall(runs[1e-2].expert_load) < 0.8 * overall(runs[0.0].expert_load)
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
+    settings = config(steps=12, checkpoint_every=4, eval_every=6)
+    full = train(TINY, settings, backend="jnp", out_dir=str(tmp_path / "full"))
+    assert Checkpointer(str(tmp_path / "full" / "checkpoints")).steps() == [4, 8, 12]
+
+    crashed = str(tmp_path / "crashed")
+    with pytest.raises(Interrupt):
+        train(TINY, settings, backend="jnp", out_dir=crashed, callbacks=[InterruptAt(10)])
+    resumed = train(
+        TINY, dataclasses.replace(settings, resume=True), backend="jnp", out_dir=crashed
+    )
+    assert [r["step"] for r in resumed.records] == [9, 10, 11, 12]
+    for got, want in zip(resumed.records, full.records[8:], strict=True):
+        assert _without_timing(got) == _without_timing(want)  # exact, not approximate
+    for x, y in zip(_leaves(full.state), _leaves(resumed.state), strict=True):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(full.expert_load, resumed.expert_load)
+    # the log of the resumed run reads like the uninterrupted one, each step once
+    logged = [_without_timing(r) for r in read_jsonl(resumed.files["metrics"])]
+    expected = [_without_timing(r) for r in read_jsonl(full.files["metrics"])]
+    assert logged == expected
+
+
+def _leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    out = str(tmp_path)
+    settings = config(steps=8, checkpoint_every=2)
+    with pytest.raises(Interrupt):
+        train(TINY, settings, backend="jnp", out_dir=out, callbacks=[InterruptAt(5)])
+    # resumed with an absurd learning rate, the next update overflows
+    bad = dataclasses.replace(settings, resume=True, lr=1e30, warmup_steps=0)
+    with pytest.raises(TrainingDiverged, match="last good checkpoint is step 4") as err:
+        train(TINY, bad, backend="jnp", out_dir=out)
+    assert "diverged at step 5" in str(err.value)
+    checkpoints = Checkpointer(str(tmp_path / "checkpoints"))
+    assert checkpoints.steps() == [2, 4]
+    state, _ = checkpoints.restore(init_state_like())
+    assert all(np.isfinite(x).all() for x in _leaves(state))
+    assert all(math.isfinite(r["loss"]) for r in read_jsonl(str(tmp_path / "metrics.jsonl")))
+
+
+def init_state_like():
+    return init_state(DeepSeekV3(TINY, key=jax.random.key(0)), config())
+
+
+def test_token_file_training_and_out_of_vocabulary_ids(tmp_path):
+    good = tmp_path / "good.bin"
+    np.random.default_rng(0).integers(0, 512, 5000).astype(np.uint16).tofile(good)
+    results = train(
+        TINY, config(steps=3, data=str(good)), backend="jnp", out_dir=str(tmp_path / "ok")
+    )
+    assert len(results.records) == 3 and results.final_eval is not None
+
+    bad = tmp_path / "bad.bin"
+    tokens = np.random.default_rng(0).integers(0, 512, 5000).astype(np.uint16)
+    tokens[::50] = 600  # ids past the tiny vocabulary (512)
+    tokens.tofile(bad)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        train(TINY, config(data=str(bad)), backend="jnp", out_dir=str(tmp_path / "bad"))
+
+
+def test_bad_settings_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        train(TINY, config(seq_len=1024), backend="jnp", out_dir=str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="TrainConfig.batch_size"):
+        config(batch_size=0)
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        train(TINY, config(), backend="nope", out_dir=str(tmp_path / "b"))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        train(TINY, config(resume=True), backend="jnp", out_dir=str(tmp_path / "c"))
+
+
+def test_checkpoints_of_another_run_are_not_overwritten_or_misused(tmp_path):
+    checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
+    meta = {"config": config_dict(TINY, config(), "jnp")}
+    checkpointer.save(3, init_state_like(), meta)
+    checkpointer.close()
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        train(TINY, config(), backend="jnp", out_dir=str(tmp_path))
+    other = get_preset("tiny", n_routed_experts=8)
+    with pytest.raises(CheckpointError, match="n_routed_experts: 16 -> 8"):
+        train(other, config(resume=True), backend="jnp", out_dir=str(tmp_path))

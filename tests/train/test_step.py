@@ -1,0 +1,92 @@
+"""The loss terms and the train step: the expert bias moves only by the sign rule, outside the
+gradient and the weight decay.
+
+Every step here uses the tiny preset at batch 8 x 32 tokens, like test_loop.py, so one compiled
+train step serves the whole session.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.balance import update_expert_bias
+from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
+from dropless.train.config import TrainConfig
+from dropless.train.data import SyntheticCorpus
+from dropless.train.step import hparams, init_state, loss_terms, total_loss, train_step
+
+BATCH, SEQ = 8, 32
+
+
+def tokens(step: int = 0) -> jax.Array:
+    batch = SyntheticCorpus(512).batch(step, seed=0, batch_size=BATCH, seq_len=SEQ)
+    return jnp.asarray(batch.tokens)
+
+
+def biased_model(key: int = 0) -> DeepSeekV3:
+    """The tiny model with non-zero expert biases (so weight decay would show on them)."""
+    model = DeepSeekV3(get_preset("tiny"), key=jax.random.key(key))
+
+    def where(m):
+        return [m.moe_layers.mlp.router.expert_bias, m.mtp.layers.block.mlp.router.expert_bias]
+
+    values = [jnp.linspace(-0.5, 0.5, b.size).reshape(b.shape) for b in where(model)]
+    return eqx.tree_at(where, model, values)
+
+
+def biases(model: DeepSeekV3) -> list[np.ndarray]:
+    return [
+        np.asarray(model.moe_layers.mlp.router.expert_bias),
+        np.asarray(model.mtp.layers.block.mlp.router.expert_bias),
+    ]
+
+
+def test_loss_is_the_weighted_sum_of_its_terms():
+    model = DeepSeekV3(get_preset("tiny"), key=jax.random.key(0))
+    terms, out = loss_terms(model, tokens())
+    assert out.logits.shape == (BATCH, SEQ, 512)
+    assert out.mtp_logits.shape == (1, BATCH, SEQ, 512)
+    # at initialisation both cross-entropies are near uniform (log 512 = 6.24)
+    assert 5.0 < float(terms["ce"]) < 8.0 and 5.0 < float(terms["mtp"]) < 8.0
+    config = TrainConfig(mtp_loss_weight=0.5, balance_loss_coef=0.1, z_loss_coef=0.01)
+    expected = (
+        terms["ce"]
+        + 0.5 * terms["mtp"]
+        + 0.1 * terms["balance_loss"]
+        + 1e-4 * terms["seq_balance_loss"]
+        + 0.01 * terms["z_loss"]
+    )
+    np.testing.assert_allclose(total_loss(terms, hparams(config)), expected, rtol=1e-6)
+
+
+def test_expert_bias_gets_no_gradient_and_no_weight_decay():
+    model = biased_model()
+    before = biases(model)
+    w_before = np.asarray(model.moe_layers.mlp.router.w_router)
+    config = TrainConfig(bias_update_rate=0.0, weight_decay=0.5, warmup_steps=0, lr=1e-2)
+    state, metrics = train_step(init_state(model, config), tokens())
+    for b0, b1 in zip(before, biases(state.model), strict=True):
+        np.testing.assert_array_equal(b0, b1)
+    assert not np.array_equal(w_before, state.model.moe_layers.mlp.router.w_router)
+    assert float(metrics["grad_norm"]) > 0 and int(state.step) == 1
+
+
+def test_expert_bias_follows_the_sign_rule():
+    model = biased_model()
+    before = biases(model)
+    config = TrainConfig(bias_update_rate=0.01)
+    state, metrics = train_step(init_state(model, config), tokens())
+    load = np.asarray(metrics["tokens_per_expert"])  # rows: 3 MoE layers, then the MTP block
+    assert load.shape == (4, 16)
+    assert load.sum() == 4 * BATCH * SEQ * 2  # every token reaches k = 2 experts: no drops
+    expected = [
+        update_expert_bias(jnp.asarray(before[0]), jnp.asarray(load[:3]), 0.01),
+        update_expert_bias(jnp.asarray(before[1]), jnp.asarray(load[3:]), 0.01),
+    ]
+    for got, want in zip(biases(state.model), expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
+    moved = np.abs(biases(state.model)[0] - before[0])
+    assert moved.max() == pytest.approx(0.01, rel=1e-4)
+    np.testing.assert_array_equal(np.asarray(state.expert_load), load)
