@@ -6,7 +6,7 @@ parameter-free strategy (`AbstractTopK`) so a backend can swap in a fused kernel
 
 import abc
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -91,6 +91,8 @@ class Routing(eqx.Module):
 
 class AbstractTopK(eqx.Module):
     """Turns router logits into a `Routing`: score function, group limit, bias, top-k, weights."""
+
+    requires_gpu: ClassVar[bool] = False
 
     def __call__(
         self,

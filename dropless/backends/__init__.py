@@ -39,7 +39,7 @@ class Backend(eqx.Module):
     @property
     def requires_gpu(self) -> bool:
         parts = (self.dispatcher, self.gmm, self.topk)
-        return any(getattr(type(p), "requires_gpu", False) for p in parts if p is not None)
+        return any(type(p).requires_gpu for p in parts if p is not None)
 
 
 class BackendUnavailableError(ImportError):
@@ -86,10 +86,11 @@ def _has_gpu() -> bool:
 
 @functools.cache
 def _auto() -> Backend:
-    if _has_gpu():
-        try:
-            return BACKENDS["te"]()
-        except BackendUnavailableError as err:
+    # Ask for TE first: it must load its CUDA libraries before JAX starts its GPU backend.
+    try:
+        return BACKENDS["te"]()
+    except BackendUnavailableError as err:
+        if _has_gpu():
             warnings.warn(f"backend 'auto': {err}; falling back to 'jnp'", stacklevel=3)
     return _jnp()
 

@@ -43,6 +43,28 @@ def _permute_bwd(inverse, g):
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
+@jax.custom_vjp
+def expand_rows(
+    x: Float[Array, "tokens dim"], order: Int[Array, " copies"], inverse: Int[Array, " copies"]
+) -> Float[Array, "copies dim"]:
+    """Row r = x[order[r] // k]: each token copied to the rows of its k copies, in one gather.
+    The gradient gathers back through `inverse` and sums each token's k copies (no scatter)."""
+    k = order.shape[0] // x.shape[0]
+    return x[order // k]
+
+
+def _expand_fwd(x, order, inverse):
+    return expand_rows(x, order, inverse), (x.shape[0], inverse)
+
+
+def _expand_bwd(res, g):
+    tokens, inverse = res
+    return g[inverse].reshape(tokens, -1, g.shape[-1]).sum(1), None, None
+
+
+expand_rows.defvjp(_expand_fwd, _expand_bwd)
+
+
 class SortPlan(eqx.Module):
     order: Int[Array, " copies"]  # row r of the dispatched buffer holds copy order[r]
     inverse: Int[Array, " copies"]  # copy c sits in row inverse[c]
@@ -52,14 +74,11 @@ class SortDispatcher(AbstractDispatcher):
     """Stable sort by expert id; ties keep token order, so the layout is deterministic."""
 
     def _dispatch(self, x, routing):
-        tokens, k = routing.expert_ids.shape
         n_experts = routing.scores.shape[-1]
         flat_ids = routing.expert_ids.reshape(-1)
         order = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
-        # Copy c is token c // k: broadcasting x to [tokens k dim] has a plain sum as transpose.
-        copies = jnp.broadcast_to(x[:, None, :], (tokens, k, x.shape[-1])).reshape(tokens * k, -1)
-        rows = permute_rows(copies, order, inverse)
+        rows = expand_rows(x, order, inverse)
         group_sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
         return Dispatched(rows=rows, group_sizes=group_sizes, plan=SortPlan(order, inverse))
 
