@@ -5,6 +5,7 @@
     dropless train --config runs/small/config.yaml --model.n-routed-experts 32
     dropless train --set model.n_routed_experts=32 train.lr=1e-3
     dropless train --out-dir runs/small --resume --steps 4000
+    dropless train --mesh data=2,expert=4            # sharded over 8 devices, experts over 4
     dropless presets                                 # the model presets and their sizes
 
 Precedence, lowest first: the preset, a YAML `--config` (sections `preset`, `backend`, `model`,
@@ -305,10 +306,11 @@ def _train(command: TrainCommand) -> int:
         _enable_compile_cache()
     data = "the synthetic corpus" if train_config.data == "synthetic" else train_config.data
     verb = "resuming" if train_config.resume else "training"
+    mesh = f", mesh {train_config.mesh}" if train_config.mesh else ""
     print(
         f"dropless: {verb} '{name}' on {data} for {train_config.steps} steps "
         f"(batch {train_config.batch_size} x {train_config.seq_len} tokens, backend "
-        f"{command.backend}) -> {out_dir}",
+        f"{command.backend}{mesh}) -> {out_dir}",
         flush=True,
     )
     bar = ProgressBar(file=sys.stderr) if command.progress else None

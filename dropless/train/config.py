@@ -19,6 +19,11 @@ class TrainConfig:
     """Sequences per batch."""
     seq_len: int = 64
     """Tokens per sequence (at most the model's `max_position_embeddings`)."""
+    mesh: str | None = None
+    """Device mesh to train on, e.g. 'data=2,expert=4' (axes data, fsdp, expert; their product
+    must equal the device count; axes left out have size 1). Parameters and optimiser state are
+    sharded over it and each batch split over its devices; expert > 1 switches the MoE layers to
+    the expert-parallel 'ep' backend. None (default): one device."""
     seed: int = 0
     """Seed of the parameter initialisation and of the batch stream (batches depend only on
     (seed, step), so a resumed run sees the same data)."""
@@ -121,6 +126,13 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.log_every must be >= 1, got {self.log_every}")
         if self.n_languages < 1:
             raise ValueError(f"TrainConfig.n_languages must be >= 1, got {self.n_languages}")
+        if self.mesh is not None:
+            from dropless.sharding import parse_mesh
+
+            try:
+                parse_mesh(self.mesh)
+            except ValueError as err:
+                raise ValueError(f"TrainConfig.mesh: {err}") from None
         if self.data_dtype not in ("uint16", "uint32"):
             raise ValueError(
                 f"TrainConfig.data_dtype must be 'uint16' or 'uint32', got {self.data_dtype!r}"

@@ -23,12 +23,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import yaml
+from jax.sharding import Mesh
 
+from dropless import sharding
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
 from dropless.train import metrics as metrics_lib
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.config import TrainConfig
 from dropless.train.data import AbstractDataset, SyntheticCorpus, token_file_splits
+from dropless.train.sharded import (
+    prepare_model,
+    resolve_mesh,
+    shard_state,
+    sharded_eval_step,
+    sharded_train_step,
+)
 from dropless.train.step import (
     TrainState,
     eval_step,
@@ -181,9 +190,12 @@ def evaluate(
     model: DeepSeekV3,
     dataset: AbstractDataset,
     train_config: TrainConfig,
+    *,
+    mesh: Mesh | None = None,
 ) -> dict:
     """Mean loss terms and MaxVio over `train_config.eval_batches` held-out batches (the same
-    batches every time)."""
+    batches every time). With `mesh`, `model` must be placed on it (as `train` does) and each
+    batch is split over its batch axes."""
     weights = hparams(train_config)
     sums: dict[str, float] = {}
     for i in range(train_config.eval_batches):
@@ -195,7 +207,11 @@ def evaluate(
             split="eval",
         )
         _check_batch(batch.tokens, model.config)
-        out = jax.device_get(eval_step(model, jnp.asarray(batch.tokens), weights))
+        if mesh is None:
+            out = eval_step(model, jnp.asarray(batch.tokens), weights)
+        else:
+            out = sharded_eval_step(mesh, model, sharding.shard_batch(batch.tokens, mesh), weights)
+        out = jax.device_get(out)
         for name in ("loss", "ce", "mtp", "balance_loss", "seq_balance_loss", "z_loss", "max_vio"):
             sums[name] = sums.get(name, 0.0) + float(out[name])
     return {name: value / train_config.eval_batches for name, value in sums.items()}
@@ -254,6 +270,7 @@ def train(
     backend: str = "auto",
     out_dir: str,
     callbacks: Sequence[metrics_lib.Callback] = (),
+    mesh: str | None = None,
 ) -> TrainResults:
     """Trains a DeepSeek-V3 model of `model_config` and writes its results into `out_dir`.
 
@@ -261,13 +278,20 @@ def train(
     `train_config.resume`: continue from the latest checkpoint in `out_dir/checkpoints` (the
     model configuration must match; the training settings may change); the batches, and on CPU
     the losses, are exactly those of an uninterrupted run.
+    `mesh` (or `train_config.mesh`; this argument wins): train on a device mesh, e.g.
+    "data=2,expert=4" (see `dropless.train.sharded`): parameters and optimiser state sharded,
+    batches split, the MoE layers on the "ep" backend when expert > 1; the steps equal the
+    single-device ones. A mesh of one device is the single-device run.
 
     Raises ValueError for bad settings or data (token ids outside the vocabulary, sequences
     longer than the model supports), CheckpointError for a missing, corrupt or mismatched
     checkpoint, and TrainingDiverged when the loss becomes NaN/inf; the checkpoints saved
     before that stay.
     """
+    if mesh is not None:
+        train_config = dataclasses.replace(train_config, mesh=mesh)
     _validate(model_config, train_config)
+    device_mesh = resolve_mesh(train_config.mesh, model_config, train_config)
     train_data, eval_data = make_datasets(train_config, model_config.vocab_size)
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -279,9 +303,15 @@ def train(
     }
 
     model = DeepSeekV3(model_config, backend=backend, key=jax.random.key(train_config.seed))
+    if device_mesh is not None:
+        model = prepare_model(model, device_mesh)
     state = init_state(model, train_config)
+    if device_mesh is not None:
+        state = shard_state(state, device_mesh)  # also the `like` target of a restore
     layer_names = moe_layer_names(model)
     state, checkpointer = _open_checkpoints(files["checkpoints"], state, train_config)
+    if device_mesh is not None:
+        state = shard_state(state, device_mesh)  # the resumed config's numbers, replicated
     start = int(state.step)
 
     run_config = config_dict(model_config, train_config, backend)
@@ -296,6 +326,7 @@ def train(
         "steps": train_config.steps,
         "out_dir": out_dir,
         "backend": backend,
+        "mesh": None if device_mesh is None else dict(device_mesh.shape),
         "n_params": sum(x.size for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))),
     }
     callbacks = list(callbacks)
@@ -309,7 +340,11 @@ def train(
     tokens_per_step = train_config.batch_size * train_config.seq_len
 
     def run_eval(step: int) -> None:
-        record = {"split": "eval", "step": step, **evaluate(state.model, eval_data, train_config)}
+        record = {
+            "split": "eval",
+            "step": step,
+            **evaluate(state.model, eval_data, train_config, mesh=device_mesh),
+        }
         eval_records.append(record)
         writer.write(record)
         for callback in callbacks:
@@ -330,7 +365,11 @@ def train(
             )
             _check_batch(batch.tokens, model_config)
             began = time.perf_counter()
-            state, step_metrics = train_step(state, jnp.asarray(batch.tokens))
+            if device_mesh is None:
+                state, step_metrics = train_step(state, jnp.asarray(batch.tokens))
+            else:
+                tokens = sharding.shard_batch(batch.tokens, device_mesh)
+                state, step_metrics = sharded_train_step(device_mesh, state, tokens)
             record = _host_metrics(step_metrics)  # waits for the step
             elapsed = time.perf_counter() - began
             done = step + 1

@@ -1,0 +1,225 @@
+"""The train loop's state and steps on a device mesh (`TrainConfig.mesh`, `--mesh data=2,expert=4`).
+
+    mesh = resolve_mesh("data=2,expert=4", model_config, train_config)   # None: one device
+    model = prepare_model(model, mesh)          # the "ep" backend when expert > 1, checked
+    state = shard_state(init_state(model, train_config), mesh)
+    state, metrics = sharded_train_step(state, shard_batch(tokens, mesh), mesh)
+
+The step is `dropless.train.step.train_step` run through `sharding.sharded_value_and_grad`: each
+device computes the loss of its slice of the batch; the loss terms are averaged over slices, the
+MoE statistics summed (tokens per expert and drops are those of the whole batch, MaxVio is
+recomputed from them), and the aux-loss-free expert-bias update sees the GLOBAL tokens per
+expert, so the step equals the single-device one. Exception: the batch-wise balance loss
+(`balance_loss_coef`) becomes the mean of per-device losses (see docs/distributed.md).
+
+Every array of the state lives on the mesh: parameters and Adam moments as
+`sharding.param_specs` / `opt_state_specs` say, the rest replicated. Checkpoints save those
+arrays as they are; a resumed run restores into the shardings of its freshly placed state.
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Int, PyTree
+
+from dropless import balance, sharding
+from dropless.backends import with_backend
+from dropless.models.deepseek_v3 import (
+    DeepSeekV3,
+    DeepSeekV3Config,
+    ModelOutput,
+    with_updated_expert_bias,
+)
+from dropless.moe import MoEStats
+from dropless.train import optim
+from dropless.train.config import TrainConfig
+from dropless.train.step import (
+    TrainState,
+    _learning_rate,
+    loss_terms,
+    total_loss,
+)
+
+
+def resolve_mesh(
+    spec: str | None, model_config: DeepSeekV3Config, train_config: TrainConfig
+) -> Mesh | None:
+    """The mesh of a `--mesh` string, after checking the run fits on it; None when no mesh is
+    asked for or it has a single device (the run then takes the single-device path).
+
+    Raises ValueError naming the setting at fault: a malformed spec or one whose product is not
+    the device count (`mesh`), a batch the batch shards do not divide (`batch_size`), experts the
+    expert axis does not divide (`n_routed_experts`).
+    """
+    if spec is None:
+        return None
+    try:
+        mesh = sharding.mesh_from_spec(spec)
+    except ValueError as err:
+        raise ValueError(f"TrainConfig.mesh = {spec!r}: {err}") from None
+    if mesh.size == 1:
+        return None
+    axes = sharding.batch_axes(mesh)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if train_config.batch_size % shards:
+        layout = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+        raise ValueError(
+            f"TrainConfig.batch_size ({train_config.batch_size}) must be divisible by the number "
+            f"of batch shards of mesh {spec!r} ({shards}: {layout})"
+        )
+    ep = mesh.shape["expert"]
+    if ep > 1 and model_config.n_routed_experts % ep:
+        raise ValueError(
+            f"DeepSeekV3Config.n_routed_experts ({model_config.n_routed_experts}) must be "
+            f"divisible by the expert axis of mesh {spec!r} (expert={ep})"
+        )
+    return mesh
+
+
+def prepare_model(model: DeepSeekV3, mesh: Mesh) -> DeepSeekV3:
+    """`model` ready for `mesh`: on the expert-parallel "ep" backend when the expert axis is > 1,
+    checked by `sharding.check_expert_parallel` (not yet placed: see `shard_state`)."""
+    if mesh.shape["expert"] > 1:
+        model = with_backend(model, "ep")
+    sharding.check_expert_parallel(model, mesh)
+    return model
+
+
+def state_shardings(state: TrainState, mesh: Mesh) -> PyTree:
+    """A `NamedSharding` for every array of `state` (None elsewhere): the model's arrays per
+    `sharding.param_specs`, the optimiser's moments like their parameters, the rest replicated."""
+    model_arrays = eqx.filter(state.model, eqx.is_array)
+    model_specs = sharding.param_specs(model_arrays, mesh)
+    params = eqx.filter(state.model, optim.trainable_filter(state.model))
+    param_specs = sharding.param_specs(params, mesh)
+    opt_specs = sharding.opt_state_specs(state.opt_state, params, param_specs)
+    parts = (model_specs, opt_specs, P(), P(), {name: P() for name in state.hparams})
+    leaves = [NamedSharding(mesh, spec) for part in parts for spec in jax.tree.leaves(part)]
+    # unflatten, not TrainState(...): the fields hold shardings, not arrays
+    return jax.tree.unflatten(jax.tree.structure(eqx.filter(state, eqx.is_array)), leaves)
+
+
+def shard_state(state: TrainState, mesh: Mesh) -> TrainState:
+    """`state` with every array placed on `mesh` (`state_shardings`)."""
+    arrays, static = eqx.partition(state, eqx.is_array)
+    return eqx.combine(jax.device_put(arrays, state_shardings(arrays, mesh)), static)
+
+
+def _constrain(state: TrainState, mesh: Mesh) -> TrainState:
+    arrays, static = eqx.partition(state, eqx.is_array)
+    arrays = jax.lax.with_sharding_constraint(arrays, state_shardings(arrays, mesh))
+    return eqx.combine(arrays, static)
+
+
+def _global_stats(stats: MoEStats, axes: tuple[str, ...]) -> MoEStats:
+    """Inside shard_map: stacked per-layer MoE statistics of this shard -> tokens per expert and
+    drops of the whole batch (MaxVio recomputed per layer from them); losses stay per shard (the
+    caller averages them)."""
+    counts, dropped = stats.tokens_per_expert, stats.dropped
+    if axes:
+        counts = jax.lax.psum(counts, axes)
+        dropped = jax.lax.psum(dropped, axes)
+    max_vio = jax.vmap(balance.max_violation)(counts) if counts.shape[0] else stats.max_vio
+    # tree_at, not MoEStats(...): the fields are stacked over layers
+    return eqx.tree_at(
+        lambda s: (s.tokens_per_expert, s.max_vio, s.dropped), stats, (counts, max_vio, dropped)
+    )
+
+
+def _local_loss(mesh: Mesh):
+    """`loss_fn((model, weights), tokens)` for `sharding.sharded_value_and_grad`: the weighted
+    loss of this shard, and (terms, global main-stack stats, global MTP stats) as aux."""
+    axes = sharding.batch_axes(mesh)
+
+    def loss_fn(model_and_weights, tokens):
+        model, weights = model_and_weights
+        terms, out = loss_terms(model, tokens)
+        stats = (_global_stats(out.moe_stats, axes), _global_stats(out.mtp_moe_stats, axes))
+        return total_loss(terms, weights), (terms, stats)
+
+    return loss_fn
+
+
+def _metrics(stats: tuple[MoEStats, MoEStats]) -> dict[str, Array]:
+    both = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *stats)
+    return {
+        "max_vio": both.max_vio.mean() if both.max_vio.size else jnp.zeros(()),
+        "max_vio_layers": both.max_vio,
+        "tokens_per_expert": both.tokens_per_expert,
+        "dropped": both.dropped.sum(),
+    }
+
+
+@eqx.filter_jit(donate="all-except-first")
+def sharded_train_step(
+    mesh: Mesh, state: TrainState, tokens: Int[Array, "batch window"]
+) -> tuple[TrainState, dict[str, Array]]:
+    """`dropless.train.step.train_step` on `mesh` (same metrics); `state` must be placed by
+    `shard_state`, `tokens` by `sharding.shard_batch`. `state` is donated."""
+    trainable = optim.trainable_filter(state.model)
+    frozen_weights = jax.tree.map(lambda _: False, state.hparams)
+    value_and_grad = sharding.sharded_value_and_grad(
+        _local_loss(mesh), mesh, has_aux=True, diff_filter=(trainable, frozen_weights)
+    )
+    (loss, (terms, stats)), (grads, _) = value_and_grad((state.model, state.hparams), tokens)
+    params, frozen = eqx.partition(state.model, trainable)
+    lr = _learning_rate(state)
+    opt_state = optim.with_learning_rate(state.opt_state, lr)
+    updates, opt_state = optim.optimizer().update(grads, opt_state, params)
+    model = eqx.combine(eqx.apply_updates(params, updates), frozen)
+    # The sign rule on the global loads (after the optimiser, outside the gradient).
+    # (a ModelOutput carrying only the loads: that is all `with_updated_expert_bias` reads)
+    loads = ModelOutput(jnp.zeros((0, 0, 0)), None, *jax.lax.stop_gradient(stats))
+    model = with_updated_expert_bias(model, loads, state.hparams["bias_update_rate"])
+    step_stats = _metrics(stats)
+    new_state = TrainState(
+        model=model,
+        opt_state=opt_state,
+        step=state.step + 1,
+        expert_load=state.expert_load + step_stats["tokens_per_expert"],
+        hparams=state.hparams,
+    )
+    metrics = {
+        "loss": loss,
+        **terms,
+        **step_stats,
+        "grad_norm": optax.tree.norm(grads),
+        "update_norm": optax.tree.norm(updates),
+        "lr": lr,
+    }
+    return _constrain(new_state, mesh), metrics
+
+
+@eqx.filter_jit
+def sharded_eval_step(
+    mesh: Mesh,
+    model: DeepSeekV3,
+    tokens: Int[Array, "batch window"],
+    weights: dict[str, Array],
+) -> dict[str, Array]:
+    """`dropless.train.step.eval_step` on `mesh` (`tokens` split over the batch axes)."""
+    axes = sharding.batch_axes(mesh)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    specs = sharding.param_specs(arrays, mesh)
+    loss_fn = _local_loss(mesh)
+
+    def local(arrays, weights, tokens):
+        model = eqx.combine(sharding.gather_fsdp(arrays, specs), static)
+        loss, (terms, stats) = loss_fn((model, weights), tokens)
+        out = {"loss": loss, **terms}
+        if axes:
+            out = jax.tree.map(lambda a: jax.lax.pmean(a, axes), out)
+        return {**out, **_metrics(stats)}
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(specs, P(), sharding.batch_spec(mesh)),
+        out_specs=P(),
+        check_vma=False,
+    )(arrays, weights, tokens)
