@@ -1,0 +1,86 @@
+"""Shared helpers for the scripted experiments: arguments, configs, a layer-by-layer forward."""
+
+import argparse
+import pathlib
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+from dropless.models.deepseek_v3 import DeepSeekV3, get_preset, scan_blocks, unstack  # noqa: E402
+from dropless.train import TrainConfig  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+
+def parser(name: str, doc: str, *, steps: int) -> argparse.ArgumentParser:
+    """The arguments every experiment takes: --size, --steps, --out (and batch/seq/seed)."""
+    p = argparse.ArgumentParser(prog=f"experiments/{name}.py", description=doc)
+    p.add_argument("--size", default="tiny", choices=["tiny", "small"], help="model preset")
+    p.add_argument("--steps", type=int, default=steps, help="training steps per run")
+    p.add_argument("--out", default=f"results/{name}", help="results folder")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def train_config(args, **changes) -> TrainConfig:
+    """A short run: no periodic eval/checkpoints/plots (train() still evaluates and saves once)."""
+    base = dict(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        warmup_steps=min(20, max(args.steps // 10, 1)),
+        eval_every=0,
+        checkpoint_every=0,
+        eval_batches=2,
+        plots=False,
+    )
+    return TrainConfig(**{**base, **changes})
+
+
+def model_config(args, **overrides):
+    return get_preset(args.size, **overrides)
+
+
+def moe_forward(model: DeepSeekV3, tokens, moe_fn=None):
+    """The main model's logits, computed layer by layer so each MoE layer can be observed or
+    replaced: `moe_fn(moe, h_flat, seq_len) -> y_flat` (default: the layer itself).
+
+    Returns (logits [batch seq vocab], MoE inputs: one [tokens dim] array per MoE layer).
+    MTP modules are left out (they do not change the main logits).
+    """
+    c = model.config
+    x = jnp.take(model.embed_tokens, tokens, axis=0).astype(c.compute_jnp_dtype)
+    x, _ = scan_blocks(model.dense_layers, x)
+    inputs = []
+    for i in range(c.n_moe_layers):
+        block = unstack(model.moe_layers, i)
+        x = x + block.self_attn(block.input_layernorm(x))
+        h = block.post_attention_layernorm(x)
+        b, s, d = h.shape
+        flat = h.reshape(b * s, d)
+        inputs.append(flat)
+        y = block.mlp(flat, seq_len=s)[0] if moe_fn is None else moe_fn(block.mlp, flat, s)
+        x = x + y.reshape(b, s, d).astype(x.dtype)
+    return model.head(model.norm(x)), inputs
+
+
+def cross_entropy(logits, window) -> jax.Array:
+    """Mean next-token cross-entropy of logits of window[:, :-1] against window[:, 1:]."""
+    labels = window[:, 1:]
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    return ce.mean()
+
+
+def moe_layers(model: DeepSeekV3) -> list[eqx.Module]:
+    """The MoE modules of the main stack, one per layer (unstacked)."""
+    return [unstack(model.moe_layers, i).mlp for i in range(model.config.n_moe_layers)]

@@ -1,0 +1,164 @@
+"""Every available backend on the same MoE layer and the same tiny model: agreement with the
+dense one-hot oracle (forward and gradient) and time.
+
+    python experiments/compare_backends.py [--size tiny|small] [--tokens N] [--out DIR]
+
+Backends are `dropless.available_backends()` minus the multi-device ones ("ep", "nccl_ep").
+Layer: `oracle_moe` is the reference. Model: the reference is the same model with the oracle
+grouped matmul (`OneHotGroupedMatmul`) in every MoE layer.
+"""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from _common import cross_entropy, parser  # noqa: E402
+from _timing import machine, median_time, print_table, write_results  # noqa: E402
+
+import dropless  # noqa: E402
+from dropless.backends.jnp import SortDispatcher  # noqa: E402
+from dropless.backends.oracle import OneHotGroupedMatmul, oracle_moe  # noqa: E402
+from dropless.models.deepseek_v3 import DeepSeekV3, get_preset  # noqa: E402
+from dropless.train import SyntheticCorpus  # noqa: E402
+
+MULTI_DEVICE = ("ep", "nccl_ep")
+
+
+def errors(got, ref) -> tuple[float, float]:
+    """(max abs error, max abs error / max |ref|) over every leaf."""
+    got, ref = jax.tree.leaves(got), jax.tree.leaves(ref)
+    abs_err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, ref, strict=True))
+    scale = max(float(jnp.max(jnp.abs(b))) for b in ref)
+    return abs_err, abs_err / max(scale, 1e-30)
+
+
+def layer_rows(config, names: list[str], tokens: int, repeats: int) -> list[dict]:
+    moe = dropless.MoE(
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.routing_spec(),
+        n_shared_experts=config.n_shared_experts,
+        key=jax.random.key(0),
+    )
+    x = jax.random.normal(jax.random.key(1), (tokens, config.hidden_size))
+    cot = jax.random.normal(jax.random.key(2), (tokens, config.hidden_size))
+
+    def loss(m, x, fn):
+        return jnp.sum(fn(m, x) * cot)
+
+    def run(m, x):
+        return m(x)[0]
+
+    ref_y = jax.jit(oracle_moe)(moe, x)
+    ref_g = eqx.filter_jit(eqx.filter_grad(loss))(moe, x, oracle_moe)
+    rows = []
+    for name in names:
+        m = dropless.with_backend(moe, name)
+        fwd = eqx.filter_jit(run)
+        grad = eqx.filter_jit(eqx.filter_grad(lambda m, x: loss(m, x, run)))
+        y, g = fwd(m, x), grad(m, x)
+        fa, fr = errors(y, ref_y)
+        ga, gr = errors(g, ref_g)
+        rows.append(
+            dict(
+                what="layer",
+                backend=name,
+                fwd_abs=fa,
+                fwd_rel=fr,
+                grad_abs=ga,
+                grad_rel=gr,
+                fwd_ms=1e3 * median_time(fwd, m, x, repeats=repeats),
+                fwd_bwd_ms=1e3 * median_time(grad, m, x, repeats=repeats),
+            )
+        )
+    return rows
+
+
+def model_rows(config, names: list[str], batch: int, seq: int, repeats: int) -> list[dict]:
+    model = DeepSeekV3(config, backend="jnp", key=jax.random.key(0))
+    window = jnp.asarray(
+        SyntheticCorpus(config.vocab_size).batch(0, seed=0, batch_size=batch, seq_len=seq).tokens
+    )
+
+    def logits(m, w):
+        return m(w[:, :-1]).logits
+
+    def loss(m, w):
+        return cross_entropy(m(w[:, :-1]).logits, w)
+
+    fwd = eqx.filter_jit(logits)
+    grad = eqx.filter_jit(eqx.filter_grad(loss))
+    oracle = dropless.with_backend(
+        model, dropless.Backend(dispatcher=SortDispatcher(), gmm=OneHotGroupedMatmul())
+    )
+    ref_y, ref_g = fwd(oracle, window), grad(oracle, window)
+    rows = []
+    for name in names:
+        m = dropless.with_backend(model, name)
+        fa, fr = errors(fwd(m, window), ref_y)
+        ga, gr = errors(grad(m, window), ref_g)
+        rows.append(
+            dict(
+                what="model",
+                backend=name,
+                fwd_abs=fa,
+                fwd_rel=fr,
+                grad_abs=ga,
+                grad_rel=gr,
+                fwd_ms=1e3 * median_time(fwd, m, window, repeats=repeats),
+                fwd_bwd_ms=1e3 * median_time(grad, m, window, repeats=repeats),
+            )
+        )
+    return rows
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, what in zip(axes, ("layer", "model"), strict=True):
+        sel = [r for r in rows if r["what"] == what]
+        pos = np.arange(len(sel))
+        ax.bar(pos - 0.2, [r["fwd_ms"] for r in sel], 0.4, label="forward")
+        ax.bar(pos + 0.2, [r["fwd_bwd_ms"] for r in sel], 0.4, label="gradient")
+        ax.set_xticks(pos, [r["backend"] for r in sel])
+        ax.set_ylabel("ms (median)")
+        ax.set_title(f"MoE {what}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None) -> list[dict]:
+    p = parser("compare_backends", __doc__, steps=0)
+    p.add_argument("--tokens", type=int, default=1024, help="tokens through the MoE layer")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--backends", nargs="+", default=None, help="default: all available")
+    args = p.parse_args(argv)
+    out = pathlib.Path(args.out)
+    config = get_preset(args.size)
+    names = args.backends or [b for b in dropless.available_backends() if b not in MULTI_DEVICE]
+    rows = layer_rows(config, names, args.tokens, args.repeats)
+    rows += model_rows(config, names, args.batch_size, args.seq_len, args.repeats)
+    meta = dict(
+        machine=machine(),
+        size=args.size,
+        tokens=args.tokens,
+        batch=args.batch_size,
+        seq=args.seq_len,
+        reference_layer="oracle_moe",
+        reference_model="OneHotGroupedMatmul in every MoE layer",
+    )
+    write_results(out, "compare_backends", rows, meta)
+    plot(rows, out / "compare_backends.png")
+    print_table(rows, f"backends vs the oracle ({meta['machine']})")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Expert granularity at fixed active (and total) parameters: sweep (experts, top-k) with
+`moe_intermediate_size` scaled so that top-k * size (active expert FLOPs) and experts * size
+(routed parameters) stay equal; report loss at a fixed number of tokens and the step time.
+
+    python experiments/expert_granularity.py [--size tiny|small] [--steps N] [--sweep 8/2 16/4]
+
+Routing is ungrouped (n_group=1) so that every setting chooses top-k among all its experts.
+"""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from _common import model_config, parser, train_config  # noqa: E402
+from _timing import machine, print_table, write_results  # noqa: E402
+
+from dropless.models.deepseek_v3 import count_params  # noqa: E402
+from dropless.train import train  # noqa: E402
+
+
+def main(argv=None) -> list[dict]:
+    p = parser("expert_granularity", __doc__, steps=150)
+    p.add_argument("--sweep", nargs="+", default=["8/2", "16/4", "32/8"], help="experts/top-k")
+    args = p.parse_args(argv)
+    out = pathlib.Path(args.out)
+    base = model_config(args)
+    # active expert width of the first setting, kept for all of them
+    e0, k0 = (int(v) for v in args.sweep[0].split("/"))
+    width = base.moe_intermediate_size * k0
+    rows, curves = [], {}
+    for setting in args.sweep:
+        experts, k = (int(v) for v in setting.split("/"))
+        if width % k:
+            raise ValueError(f"{setting}: {width} active width is not divisible by top-k {k}")
+        mc = base.replace(
+            n_routed_experts=experts,
+            num_experts_per_tok=k,
+            moe_intermediate_size=width // k,
+            n_group=1,
+            topk_group=1,
+        )
+        res = train(mc, train_config(args), backend="jnp", out_dir=str(out / f"e{experts}k{k}"))
+        rec = res.records
+        tail = rec[-max(1, len(rec) // 10) :]
+        counts = count_params(mc)
+        curves[setting] = [r["ce"] for r in rec]
+        rows.append(
+            dict(
+                experts=experts,
+                top_k=k,
+                expert_size=width // k,
+                total_params=counts.total,
+                active_params=counts.active,
+                tokens=args.steps * args.batch_size * args.seq_len,
+                ce_last10pct=float(np.mean([r["ce"] for r in tail])),
+                eval_ce=float(res.final_eval["ce"]),
+                max_vio_last10pct=float(np.mean([r["max_vio"] for r in tail])),
+                step_ms=1e3 * float(np.median([r["step_time"] for r in rec[1:]] or [0.0])),
+            )
+        )
+    meta = dict(machine=machine(), size=args.size, steps=args.steps, active_width=width)
+    write_results(out, "expert_granularity", rows, {**meta, "curves": curves})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    n = max(1, args.steps // 20)
+    for setting, ce in curves.items():
+        axes[0].plot(np.convolve(ce, np.ones(n) / n, mode="valid"), label=setting)
+    axes[0].set(xlabel="step", ylabel="train cross-entropy (nats)", title="loss (experts/top-k)")
+    axes[0].legend()
+    labels = [f"{r['experts']}/{r['top_k']}" for r in rows]
+    axes[1].bar(labels, [r["step_ms"] for r in rows])
+    axes[1].set(xlabel="experts/top-k", ylabel="median step time (ms)", title="speed")
+    fig.tight_layout()
+    fig.savefig(out / "expert_granularity.png", dpi=80)
+    plt.close(fig)
+    print_table(rows, f"expert granularity ({meta['machine']})")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
