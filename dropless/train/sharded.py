@@ -22,7 +22,6 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, PyTree
@@ -33,15 +32,15 @@ from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     DeepSeekV3Config,
     ModelOutput,
-    with_updated_expert_bias,
 )
 from dropless.moe import MoEStats
 from dropless.train import optim
 from dropless.train.config import TrainConfig
 from dropless.train.step import (
     TrainState,
-    _learning_rate,
+    apply_gradients,
     loss_terms,
+    stats_metrics,
     total_loss,
 )
 
@@ -145,14 +144,10 @@ def _local_loss(mesh: Mesh):
     return loss_fn
 
 
-def _metrics(stats: tuple[MoEStats, MoEStats]) -> dict[str, Array]:
-    both = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *stats)
-    return {
-        "max_vio": both.max_vio.mean() if both.max_vio.size else jnp.zeros(()),
-        "max_vio_layers": both.max_vio,
-        "tokens_per_expert": both.tokens_per_expert,
-        "dropped": both.dropped.sum(),
-    }
+def _loads_only(stats: tuple[MoEStats, MoEStats]) -> ModelOutput:
+    """A ModelOutput carrying only the (global) MoE statistics of the main stack and the MTP
+    blocks: all that the bias update and the step's metrics read."""
+    return ModelOutput(jnp.zeros((0, 0, 0)), None, *stats)
 
 
 @eqx.filter_jit(donate="all-except-first")
@@ -167,31 +162,8 @@ def sharded_train_step(
         _local_loss(mesh), mesh, has_aux=True, diff_filter=(trainable, frozen_weights)
     )
     (loss, (terms, stats)), (grads, _) = value_and_grad((state.model, state.hparams), tokens)
-    params, frozen = eqx.partition(state.model, trainable)
-    lr = _learning_rate(state)
-    opt_state = optim.with_learning_rate(state.opt_state, lr)
-    updates, opt_state = optim.optimizer().update(grads, opt_state, params)
-    model = eqx.combine(eqx.apply_updates(params, updates), frozen)
-    # The sign rule on the global loads (after the optimiser, outside the gradient).
-    # (a ModelOutput carrying only the loads: that is all `with_updated_expert_bias` reads)
-    loads = ModelOutput(jnp.zeros((0, 0, 0)), None, *jax.lax.stop_gradient(stats))
-    model = with_updated_expert_bias(model, loads, state.hparams["bias_update_rate"])
-    step_stats = _metrics(stats)
-    new_state = TrainState(
-        model=model,
-        opt_state=opt_state,
-        step=state.step + 1,
-        expert_load=state.expert_load + step_stats["tokens_per_expert"],
-        hparams=state.hparams,
-    )
-    metrics = {
-        "loss": loss,
-        **terms,
-        **step_stats,
-        "grad_norm": optax.tree.norm(grads),
-        "update_norm": optax.tree.norm(updates),
-        "lr": lr,
-    }
+    loads = _loads_only(jax.lax.stop_gradient(stats))
+    new_state, metrics = apply_gradients(state, grads, loads, loss, terms)
     return _constrain(new_state, mesh), metrics
 
 
@@ -214,7 +186,7 @@ def sharded_eval_step(
         out = {"loss": loss, **terms}
         if axes:
             out = jax.tree.map(lambda a: jax.lax.pmean(a, axes), out)
-        return {**out, **_metrics(stats)}
+        return {**out, **stats_metrics(_loads_only(stats))}
 
     return jax.shard_map(
         local,

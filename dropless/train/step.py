@@ -155,7 +155,7 @@ def total_loss(
     )
 
 
-def _stats_metrics(out: ModelOutput) -> dict[str, Array]:
+def stats_metrics(out: ModelOutput) -> dict[str, Array]:
     stats = all_moe_stats(out)
     max_vio = stats.max_vio
     return {
@@ -195,14 +195,27 @@ def train_step(
         return total_loss(terms, weights), (terms, out)
 
     (loss, (terms, out)), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(params)
+    return apply_gradients(state, grads, jax.lax.stop_gradient(out), loss, terms)
+
+
+def apply_gradients(
+    state: TrainState,
+    grads: PyTree,
+    out: ModelOutput,
+    loss: Float[Array, ""],
+    terms: dict[str, Float[Array, ""]],
+) -> tuple[TrainState, dict[str, Array]]:
+    """The rest of a step once the gradients are known, shared by the single-device and the
+    sharded step: the optimiser update, then (outside the gradient, and not an optimiser
+    parameter) the expert-bias update from the loads in `out`, and the step's metrics."""
+    params, frozen = eqx.partition(state.model, optim.trainable_filter(state.model))
     lr = _learning_rate(state)
     opt_state = optim.with_learning_rate(state.opt_state, lr)
     updates, opt_state = optim.optimizer().update(grads, opt_state, params)
     model = eqx.combine(eqx.apply_updates(params, updates), frozen)
-    # After the optimiser and outside the gradient: the bias is no optimiser parameter.
     # A rate of 0 leaves the bias exactly as it is.
-    model = with_updated_expert_bias(model, jax.lax.stop_gradient(out), weights["bias_update_rate"])
-    stats = _stats_metrics(out)
+    model = with_updated_expert_bias(model, out, state.hparams["bias_update_rate"])
+    stats = stats_metrics(out)
     new_state = TrainState(
         model=model,
         opt_state=opt_state,
@@ -227,4 +240,4 @@ def eval_step(
 ) -> dict[str, Array]:
     """Loss, its terms, max_vio and tokens_per_expert of `model` on a batch, no update."""
     terms, out = loss_terms(model, tokens)
-    return {"loss": total_loss(terms, weights), **terms, **_stats_metrics(out)}
+    return {"loss": total_loss(terms, weights), **terms, **stats_metrics(out)}
