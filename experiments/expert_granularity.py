@@ -33,12 +33,18 @@ def main(argv=None) -> list[dict]:
     rows, curves = [], {}
     for setting in args.sweep:
         experts, k = (int(v) for v in setting.split("/"))
-        if width % k:
-            raise ValueError(f"{setting}: {width} active width is not divisible by top-k {k}")
+        if width % k or (base.n_shared_experts * k) % k0:
+            raise ValueError(
+                f"{setting}: the active width {width} and the shared width must divide evenly "
+                f"(top-k {k} against the first setting's {k0})"
+            )
+        # The shared experts' width is n_shared_experts * moe_intermediate_size: scale their
+        # count so that it, too, stays fixed while the routed experts get finer.
         mc = base.replace(
             n_routed_experts=experts,
             num_experts_per_tok=k,
             moe_intermediate_size=width // k,
+            n_shared_experts=base.n_shared_experts * k // k0,
             n_group=1,
             topk_group=1,
         )
