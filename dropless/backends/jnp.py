@@ -65,6 +65,37 @@ def _expand_bwd(res, g):
 expand_rows.defvjp(_expand_fwd, _expand_bwd)
 
 
+@jax.custom_vjp
+def combine_rows(
+    y_rows: Float[Array, "copies dim"],
+    weights: Float[Array, "tokens k"],
+    order: Int[Array, " copies"],
+    inverse: Int[Array, " copies"],
+) -> Float[Array, "tokens dim"]:
+    """y[t] = sum_j weights[t, j] * y_rows[inverse[t*k + j]], in float32. The backward is two
+    gathers as well: d y_rows[r] = w[order[r]] * dy[order[r] // k], and d weights from the rows."""
+    tokens, k = weights.shape
+    y_copies = y_rows[inverse].reshape(tokens, k, -1).astype(jnp.float32)
+    return jnp.einsum("tkd,tk->td", y_copies, weights)
+
+
+def _combine_fwd(y_rows, weights, order, inverse):
+    return combine_rows(y_rows, weights, order, inverse), (y_rows, weights, order, inverse)
+
+
+def _combine_bwd(res, dy):
+    y_rows, weights, order, inverse = res
+    tokens, k = weights.shape
+    w_rows = weights.reshape(-1)[order]
+    d_rows = (dy[order // k] * w_rows[:, None]).astype(y_rows.dtype)
+    y_copies = y_rows[inverse].reshape(tokens, k, -1).astype(jnp.float32)
+    d_weights = jnp.einsum("tkd,td->tk", y_copies, dy).astype(weights.dtype)
+    return d_rows, d_weights, None, None
+
+
+combine_rows.defvjp(_combine_fwd, _combine_bwd)
+
+
 class SortPlan(eqx.Module):
     order: Int[Array, " copies"]  # row r of the dispatched buffer holds copy order[r]
     inverse: Int[Array, " copies"]  # copy c sits in row inverse[c]
@@ -83,10 +114,8 @@ class SortDispatcher(AbstractDispatcher):
         return Dispatched(rows=rows, group_sizes=group_sizes, plan=SortPlan(order, inverse))
 
     def _combine(self, y_rows, dispatched, routing):
-        tokens, k = routing.expert_ids.shape
         plan = dispatched.plan
-        y_copies = permute_rows(y_rows, plan.inverse, plan.order).reshape(tokens, k, -1)
-        y = jnp.einsum("tkd,tk->td", y_copies.astype(jnp.float32), routing.weights)
+        y = combine_rows(y_rows, routing.weights, plan.order, plan.inverse)
         return y.astype(y_rows.dtype)
 
 
