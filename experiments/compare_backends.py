@@ -57,27 +57,30 @@ def layer_rows(config, names: list[str], tokens: int, repeats: int) -> list[dict
 
     ref_y = jax.jit(oracle_moe)(moe, x)
     ref_g = eqx.filter_jit(eqx.filter_grad(loss))(moe, x, oracle_moe)
-    rows = []
-    for name in names:
-        m = dropless.with_backend(moe, name)
-        fwd = eqx.filter_jit(run)
-        grad = eqx.filter_jit(eqx.filter_grad(lambda m, x: loss(m, x, run)))
-        y, g = fwd(m, x), grad(m, x)
-        fa, fr = errors(y, ref_y)
-        ga, gr = errors(g, ref_g)
-        rows.append(
-            dict(
-                what="layer",
-                backend=name,
-                fwd_abs=fa,
-                fwd_rel=fr,
-                grad_abs=ga,
-                grad_rel=gr,
-                fwd_ms=1e3 * median_time(fwd, m, x, repeats=repeats),
-                fwd_bwd_ms=1e3 * median_time(grad, m, x, repeats=repeats),
-            )
+    fwd = eqx.filter_jit(run)
+    grad = eqx.filter_jit(eqx.filter_grad(lambda m, x: loss(m, x, run)))
+    return [
+        agreement_row(
+            "layer", name, dropless.with_backend(moe, name), x, fwd, grad, ref_y, ref_g, repeats
         )
-    return rows
+        for name in names
+    ]
+
+
+def agreement_row(what, name, m, inputs, fwd, grad, ref_y, ref_g, repeats) -> dict:
+    """Errors of backend `name` against the oracle's output and gradient, and its times."""
+    fa, fr = errors(fwd(m, inputs), ref_y)
+    ga, gr = errors(grad(m, inputs), ref_g)
+    return dict(
+        what=what,
+        backend=name,
+        fwd_abs=fa,
+        fwd_rel=fr,
+        grad_abs=ga,
+        grad_rel=gr,
+        fwd_ms=1e3 * median_time(fwd, m, inputs, repeats=repeats),
+        fwd_bwd_ms=1e3 * median_time(grad, m, inputs, repeats=repeats),
+    )
 
 
 def model_rows(config, names: list[str], batch: int, seq: int, repeats: int) -> list[dict]:
@@ -98,24 +101,20 @@ def model_rows(config, names: list[str], batch: int, seq: int, repeats: int) -> 
         model, dropless.Backend(dispatcher=SortDispatcher(), gmm=OneHotGroupedMatmul())
     )
     ref_y, ref_g = fwd(oracle, window), grad(oracle, window)
-    rows = []
-    for name in names:
-        m = dropless.with_backend(model, name)
-        fa, fr = errors(fwd(m, window), ref_y)
-        ga, gr = errors(grad(m, window), ref_g)
-        rows.append(
-            dict(
-                what="model",
-                backend=name,
-                fwd_abs=fa,
-                fwd_rel=fr,
-                grad_abs=ga,
-                grad_rel=gr,
-                fwd_ms=1e3 * median_time(fwd, m, window, repeats=repeats),
-                fwd_bwd_ms=1e3 * median_time(grad, m, window, repeats=repeats),
-            )
+    return [
+        agreement_row(
+            "model",
+            name,
+            dropless.with_backend(model, name),
+            window,
+            fwd,
+            grad,
+            ref_y,
+            ref_g,
+            repeats,
         )
-    return rows
+        for name in names
+    ]
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:
