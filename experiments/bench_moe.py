@@ -125,9 +125,11 @@ def bench_gmm(strategies, quick, tiny=False):
 LAYER_BACKENDS = "jnp,jnp-capacity,te,te-gmm,pallas,ragged"
 
 
-def bench_layer(quick, tiny=False, token_counts=(8192, 16384, 32768), layer_backends=None):
+def bench_layer(
+    quick, tiny=False, token_counts=(8192, 16384, 32768), layer_backends=None, experts=256
+):
     layer_backends = layer_backends or LAYER_BACKENDS.split(",")
-    dim, hidden, experts, k = (128, 32, 16, 4) if tiny else (7168, 2048, 256, 8)
+    dim, hidden, experts, k = (128, 32, 16, 4) if tiny else (7168, 2048, experts, 8)
     spec = RoutingSpec(
         experts,
         k,
@@ -163,7 +165,7 @@ def bench_layer(quick, tiny=False, token_counts=(8192, 16384, 32768), layer_back
             "dense TFLOP/s": active_flops / t_dense / 1e12,
         }
         for name in names:
-            if name == "ragged" and tokens > 8192 and not tiny:
+            if name == "ragged" and tokens * experts > 8192 * 256 and not tiny:
                 row[f"{name} / dense"] = "skipped"
                 continue
             try:
@@ -174,7 +176,8 @@ def bench_layer(quick, tiny=False, token_counts=(8192, 16384, 32768), layer_back
             t = time_or_status(step, layer, x)
             row[f"{name} / dense"] = t / t_dense if isinstance(t, float) else t
         rows.append(row)
-        print_table(rows[-1:], f"MoE layer fwd+bwd, {tokens} tokens (time over dense SwiGLU)")
+        title = f"MoE layer fwd+bwd, {tokens} tokens, {experts} experts (time over dense SwiGLU)"
+        print_table(rows[-1:], title)
     return rows
 
 
@@ -223,6 +226,7 @@ def main():
     parser.add_argument("--strategies", default="", help="comma-separated subset of strategies")
     parser.add_argument("--tokens", default="8192,16384,32768", help="MoE layer token counts")
     parser.add_argument("--layer-backends", default=LAYER_BACKENDS, help="MoE layer backends")
+    parser.add_argument("--experts", type=int, default=256, help="MoE layer routed experts")
     parser.add_argument("--skip-gmm", action="store_true")
     parser.add_argument("--skip-layer", action="store_true")
     args = parser.parse_args()
@@ -237,8 +241,9 @@ def main():
         plot(gmm_rows, args.out)
     if not args.skip_layer:
         tokens = [int(t) for t in args.tokens.split(",")]
-        layer_rows = bench_layer(args.quick, args.tiny, tokens, args.layer_backends.split(","))
-        write_results(args.out, "moe_layer", layer_rows, meta)
+        backends = args.layer_backends.split(",")
+        layer_rows = bench_layer(args.quick, args.tiny, tokens, backends, args.experts)
+        write_results(args.out, f"moe_layer_{args.experts}", layer_rows, meta)
 
 
 if __name__ == "__main__":

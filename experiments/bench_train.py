@@ -14,6 +14,7 @@ import pathlib
 import statistics
 import time
 
+import _profile
 import jax
 from _timing import machine, print_table, write_results
 
@@ -32,10 +33,12 @@ def flops_per_token(config, seq: int) -> float:
     return 6 * matmul_params + 3 * layers * attention
 
 
-def bench(config, backend, batch, seq, steps):
+def bench(config, backend, batch, seq, steps, profile_to=None):
+    """Median step time and last loss; with `profile_to`, also print where the time goes."""
     model = DeepSeekV3(config, backend=backend, key=jax.random.key(0))
     state = init_state(model, TrainConfig(steps=1000, warmup_steps=10))
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, config.vocab_size)
+    hlo = train_step.lower(state, tokens).compile().compiled.as_text() if profile_to else ""
     state, metrics = train_step(state, tokens)  # compile
     jax.block_until_ready(metrics["loss"])
     times = []
@@ -44,6 +47,17 @@ def bench(config, backend, batch, seq, steps):
         state, metrics = train_step(state, tokens)
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - start)
+    if profile_to is not None:
+
+        def run():
+            nonlocal state, metrics
+            state, metrics = train_step(state, tokens)
+            jax.block_until_ready(metrics["loss"])
+
+        scopes, kernels = _profile.profile(run, hlo, trace_copy=profile_to.with_suffix(".json.gz"))
+        print_table(scopes, f"{backend}: device time per step by scope")
+        print_table(kernels, f"{backend}: top kernels")
+        write_results(profile_to.parent, profile_to.name, scopes + kernels, {"backend": backend})
     return statistics.median(times), float(metrics["loss"])
 
 
@@ -57,6 +71,8 @@ def main():
     parser.add_argument("--peak", type=float, default=989e12, help="peak FLOP/s for MFU")
     parser.add_argument("--compute-dtype", default="bfloat16")
     parser.add_argument("--remat", default="none")
+    parser.add_argument("--attention-impl", default="xla", choices=("xla", "cudnn"))
+    parser.add_argument("--profile", action="store_true", help="print device time per scope")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_train"))
     args = parser.parse_args()
     names = args.backends.split(",")
@@ -67,15 +83,28 @@ def main():
             te.load_te()
         except BackendUnavailableError as err:
             print("te unavailable:", err)
-    config = get_preset(args.preset, compute_dtype=args.compute_dtype, remat=args.remat)
+    config = get_preset(
+        args.preset,
+        compute_dtype=args.compute_dtype,
+        remat=args.remat,
+        attention_impl=args.attention_impl,
+    )
     per_token = flops_per_token(config, args.seq)
     tokens = args.batch * args.seq
-    meta = {"machine": machine(), "preset": args.preset, "batch": args.batch, "seq": args.seq}
+    meta = {
+        "machine": machine(),
+        "preset": args.preset,
+        "batch": args.batch,
+        "seq": args.seq,
+        "remat": args.remat,
+        "attention": args.attention_impl,
+    }
     print(meta, f"model GFLOP/token {per_token / 1e9:.2f}")
     rows = []
     for name in names:
         try:
-            t, loss = bench(config, name, args.batch, args.seq, args.steps)
+            profile_to = args.out / f"profile_{args.preset}_{name}" if args.profile else None
+            t, loss = bench(config, name, args.batch, args.seq, args.steps, profile_to)
         except BackendUnavailableError as err:
             rows.append({"backend": name, "status": f"unavailable: {err}"[:100]})
             continue
@@ -95,7 +124,8 @@ def main():
         )
         print_table(rows[-1:])
     print_table(rows, f"{args.preset}, batch {args.batch} x {args.seq}, {config.compute_dtype}")
-    write_results(args.out, f"train_{args.preset}", rows, meta)
+    tag = f"{args.preset}_b{args.batch}_{args.remat}_{args.attention_impl}"
+    write_results(args.out, f"train_{tag}", rows, meta)
 
 
 if __name__ == "__main__":

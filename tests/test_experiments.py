@@ -63,3 +63,28 @@ def test_capacity_layer_without_drops_equals_dropless():
     assert int(copies) == int(tokens) == 0
     _, copies, _ = module.capacity_moe(moe, x, 1)  # 8 slots for 64 copies
     assert int(copies) == 64 - 8
+
+
+def test_profile_attributes_time_to_named_scopes_and_directions(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    profile = load("_profile")
+
+    def loss(w, x):
+        with jax.named_scope("attention"):
+            h = jnp.tanh(x @ w)
+        with jax.named_scope("head"):
+            return jnp.sum(h @ w.T)
+
+    step = jax.jit(jax.grad(loss))
+    w, x = jnp.ones((256, 256)) / 256, jnp.ones((512, 256))
+    jax.block_until_ready(step(w, x))
+    hlo = step.lower(w, x).compile().as_text()
+    scopes, kernels = profile.profile(
+        lambda: jax.block_until_ready(step(w, x)), hlo, trace_copy=tmp_path / "t.json.gz"
+    )
+    timed = {r["scope"] for r in scopes if r["ms/step"] > 0}
+    assert {"attention", "head (bwd)"} <= timed, scopes
+    assert abs(sum(r["share"] for r in scopes) - 1) < 1e-6
+    assert kernels and (tmp_path / "t.json.gz").stat().st_size > 0

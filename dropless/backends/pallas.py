@@ -2,12 +2,13 @@
 
 Forward: `ragged_dot_mgpu.ragged_dot`; input gradient: the same kernel with `transpose_rhs`;
 weight gradient: `transposed_ragged_dot_mgpu.transposed_ragged_dot`. A custom VJP ties them
-together. Block sizes come from a small table keyed by the shapes (see `block_config`).
+together. Tile sizes come from a table per operation and shape (`TUNED`, filled by
+experiments/tune_pallas.py), with a default that is valid whenever widths are multiples of 128.
 """
 
 import dataclasses
 import functools
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -21,6 +22,8 @@ from dropless.routing import JnpTopK
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
+    """Tile sizes of one Mosaic GPU kernel launch (the kernels' own keyword arguments)."""
+
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
@@ -31,21 +34,37 @@ class BlockConfig:
         return dataclasses.asdict(self)
 
 
-# Chosen on one H200 by experiments/bench_moe.py --tune (see docs/benchmarks.md); keyed by
-# (contracted width, output width). Anything else gets the default, which is valid whenever
-# the widths are multiples of 128.
-TUNED: dict[tuple[int, int], BlockConfig] = {}
-TUNED_WGRAD: dict[tuple[int, int], BlockConfig] = {}  # keyed by (input width, output width)
+Op = Literal["fwd", "dgrad", "wgrad"]
+
+# Chosen on one GPU by experiments/tune_pallas.py (see docs/benchmarks.md), keyed by the
+# operation and the forward's (in width, out width): "fwd" is x @ w, "dgrad" g @ w.T, "wgrad"
+# x.T @ g per group. Shapes not listed get the default BlockConfig.
+TUNED: dict[tuple[Op, int, int], BlockConfig] = {}
 
 
-def block_config(k: int, n: int) -> BlockConfig:
-    cfg = TUNED.get((k, n), BlockConfig())
-    if k % cfg.block_k or n % (cfg.block_n * cfg.grid_block_n):
-        raise ValueError(
-            f"Pallas grouped matmul: widths (contracted {k}, output {n}) must be multiples of "
-            f"block_k={cfg.block_k} and block_n*grid_block_n={cfg.block_n * cfg.grid_block_n}"
-        )
+def block_config(op: Op, in_width: int, out_width: int) -> BlockConfig:
+    """The tuned tiles for `op` of an [in_width -> out_width] grouped matmul, checked to divide."""
+    cfg = TUNED.get((op, in_width, out_width), BlockConfig())
+    check_divides(op, cfg, in_width, out_width)
     return cfg
+
+
+def check_divides(op: Op, cfg: BlockConfig, in_width: int, out_width: int) -> None:
+    """Raise unless the tiles divide the widths as the kernel for `op` requires."""
+    if op == "wgrad":  # tiles the [in out] weight by (block_m, block_n)
+        rules = {"block_m": (in_width, cfg.block_m), "block_n": (out_width, cfg.block_n)}
+    else:  # contracts `k` by block_k, tiles the output width by block_n * grid_block_n
+        k, n = (in_width, out_width) if op == "fwd" else (out_width, in_width)
+        rules = {
+            "block_k": (k, cfg.block_k),
+            "block_n*grid_block_n": (n, cfg.block_n * cfg.grid_block_n),
+        }
+    for name, (width, block) in rules.items():
+        if width % block:
+            raise ValueError(
+                f"Pallas grouped matmul ({op}, widths {in_width} -> {out_width}): width {width} "
+                f"must be a multiple of {name}={block}"
+            )
 
 
 @functools.cache
@@ -59,11 +78,19 @@ def load_kernels():
     return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
 
 
+def run_op(op: Op, a, b, group_sizes, cfg: BlockConfig):
+    """One kernel: fwd(x, w) = x @ w[e]; dgrad(g, w) = g @ w[e].T; wgrad(x, g) = x.T @ g
+    over each group's rows."""
+    ragged_dot, transposed_ragged_dot = load_kernels()
+    if op == "wgrad":
+        return transposed_ragged_dot(a, b, group_sizes=group_sizes, **cfg.kwargs())
+    return ragged_dot(a, b, group_sizes=group_sizes, transpose_rhs=op == "dgrad", **cfg.kwargs())
+
+
 @jax.custom_vjp
 def pallas_grouped_matmul(lhs, rhs, group_sizes):
-    ragged_dot, _ = load_kernels()
-    cfg = block_config(lhs.shape[1], rhs.shape[2])
-    return ragged_dot(lhs, rhs, group_sizes=group_sizes, **cfg.kwargs())
+    in_width, out_width = rhs.shape[1:]
+    return run_op("fwd", lhs, rhs, group_sizes, block_config("fwd", in_width, out_width))
 
 
 def _fwd(lhs, rhs, group_sizes):
@@ -72,19 +99,10 @@ def _fwd(lhs, rhs, group_sizes):
 
 def _bwd(res, g):
     lhs, rhs, group_sizes = res
-    ragged_dot, transposed_ragged_dot = load_kernels()
+    in_width, out_width = rhs.shape[1:]
     g = g.astype(lhs.dtype)
-    # d lhs = g @ rhs[e].T: the forward kernel reading rhs transposed (contracting `out`)
-    cfg = block_config(rhs.shape[2], rhs.shape[1])
-    dlhs = ragged_dot(g, rhs, group_sizes=group_sizes, transpose_rhs=True, **cfg.kwargs())
-    # d rhs[e] = lhs[rows of e].T @ g[rows of e]; this kernel tiles (in, out) by (block_m, block_n)
-    wcfg = TUNED_WGRAD.get((lhs.shape[1], rhs.shape[2]), BlockConfig())
-    if lhs.shape[1] % wcfg.block_m or rhs.shape[2] % wcfg.block_n:
-        raise ValueError(
-            f"Pallas weight gradient: widths ({lhs.shape[1]}, {rhs.shape[2]}) must be multiples "
-            f"of block_m={wcfg.block_m} and block_n={wcfg.block_n}"
-        )
-    drhs = transposed_ragged_dot(lhs, g, group_sizes=group_sizes, **wcfg.kwargs())
+    dlhs = run_op("dgrad", g, rhs, group_sizes, block_config("dgrad", in_width, out_width))
+    drhs = run_op("wgrad", lhs, g, group_sizes, block_config("wgrad", in_width, out_width))
     return dlhs, drhs.astype(rhs.dtype), None
 
 
