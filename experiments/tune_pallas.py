@@ -11,6 +11,7 @@ Ends with the entries to paste into `dropless.backends.pallas.TUNED`. Needs a Ho
 import argparse
 import functools
 import itertools
+import json
 import pathlib
 import random
 import time
@@ -104,6 +105,9 @@ def main(argv=None):
     parser.add_argument("--ops", default="fwd,dgrad,wgrad")
     parser.add_argument("--limit", type=int, default=24, help="configurations per op and shape")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/tune_pallas"))
+    parser.add_argument(
+        "--tiles-out", type=pathlib.Path, help="also write the best tiles as a JSON tiles file"
+    )
     args = parser.parse_args(argv)
     pallas.load_kernels()
     rows = []
@@ -115,12 +119,17 @@ def main(argv=None):
             print_table(rows[-1:], f"{op} {shape} ({time.perf_counter() - start:.0f} s)")
     print_table(rows, f"Pallas tiles, {machine()}")
     print("\nTUNED entries:")
+    entries = []
     for r in rows:
-        k, n = r["in x out"].split("x")
+        k, n = map(int, r["in x out"].split("x"))
         print(f'    ("{r["op"]}", {k}, {n}): {r["best"]},')
-    for r in rows:
+        entries.append({"op": r["op"], "in": k, "out": n, **r["best"].kwargs()})
         r["best"] = str(r["best"])
-    write_results(args.out, "tune_pallas", rows, {"machine": machine(), **vars(args)})
+    if args.tiles_out:
+        args.tiles_out.write_text(json.dumps(entries, indent=1))
+        print(f"tiles file: {args.tiles_out} (use with {pallas.TILES_ENV}={args.tiles_out})")
+    meta = {"machine": machine(), **{k: str(v) for k, v in vars(args).items()}}
+    write_results(args.out, "tune_pallas", rows, meta)
 
 
 if __name__ == "__main__":

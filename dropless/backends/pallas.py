@@ -8,6 +8,9 @@ experiments/tune_pallas.py), with a default that is valid whenever widths are mu
 
 import dataclasses
 import functools
+import json
+import os
+import pathlib
 from typing import ClassVar, Literal
 
 import equinox as eqx
@@ -38,13 +41,33 @@ Op = Literal["fwd", "dgrad", "wgrad"]
 
 # Chosen on one GPU by experiments/tune_pallas.py (see docs/benchmarks.md), keyed by the
 # operation and the forward's (in width, out width): "fwd" is x @ w, "dgrad" g @ w.T, "wgrad"
-# x.T @ g per group. Shapes not listed get the default BlockConfig.
-TUNED: dict[tuple[Op, int, int], BlockConfig] = {}
+# x.T @ g per group. Shapes not listed get the default BlockConfig. A JSON file of the same
+# entries (tune_pallas.py --tiles-out), named by $DROPLESS_PALLAS_TILES, adds to or overrides it.
+TUNED: dict[tuple[Op, int, int], BlockConfig] = {
+    # proxy-2b experts (1024 -> 512 -> 1024), 64 experts x 768 rows, H200, 9 tilings each
+    ("fwd", 1024, 512): BlockConfig(128, 128, 64, 4, 1),
+    ("dgrad", 1024, 512): BlockConfig(128, 128, 64, 3, 8),
+    ("wgrad", 1024, 512): BlockConfig(128, 128, 64, 6, 1),
+    ("fwd", 512, 1024): BlockConfig(128, 128, 64, 3, 8),
+    ("dgrad", 512, 1024): BlockConfig(64, 256, 64, 3, 2),
+    ("wgrad", 512, 1024): BlockConfig(128, 128, 64, 6, 1),
+}
+TILES_ENV = "DROPLESS_PALLAS_TILES"
+
+
+@functools.cache
+def tiles_from_file(path: str) -> dict[tuple[Op, int, int], BlockConfig]:
+    """Entries of a tiles file: a JSON list of {"op", "in", "out", <BlockConfig fields>}."""
+    entries = json.loads(pathlib.Path(path).read_text())
+    return {(e.pop("op"), e.pop("in"), e.pop("out")): BlockConfig(**e) for e in map(dict, entries)}
 
 
 def block_config(op: Op, in_width: int, out_width: int) -> BlockConfig:
     """The tuned tiles for `op` of an [in_width -> out_width] grouped matmul, checked to divide."""
-    cfg = TUNED.get((op, in_width, out_width), BlockConfig())
+    table = TUNED
+    if os.environ.get(TILES_ENV):
+        table = {**TUNED, **tiles_from_file(os.environ[TILES_ENV])}
+    cfg = table.get((op, in_width, out_width), BlockConfig())
     check_divides(op, cfg, in_width, out_width)
     return cfg
 

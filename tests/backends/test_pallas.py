@@ -1,5 +1,6 @@
 """The Pallas backend's tile table (CPU-checkable parts; the kernels are tested under `gpu`)."""
 
+import json
 import re
 
 import pytest
@@ -32,3 +33,19 @@ def test_widths_that_tiles_do_not_divide_are_named(op, in_width, out_width, name
 def test_tuned_entries_divide_their_shapes():
     for (op, in_width, out_width), cfg in pallas.TUNED.items():
         pallas.check_divides(op, cfg, in_width, out_width)
+
+
+def test_a_tiles_file_overrides_the_table(tmp_path, monkeypatch):
+    path = tmp_path / "tiles.json"
+    entry = {"op": "dgrad", "in": 384, "out": 256, "block_m": 64, "block_n": 128}
+    entry |= {"block_k": 128, "max_concurrent_steps": 2, "grid_block_n": 3}
+    path.write_text(json.dumps([entry]))
+    monkeypatch.setenv(pallas.TILES_ENV, str(path))
+    assert pallas.block_config("dgrad", 384, 256) == pallas.BlockConfig(64, 128, 128, 2, 3)
+    assert pallas.block_config("fwd", 384, 256) == pallas.BlockConfig()  # not in the file
+    entry["out"] = 250  # 250 is no multiple of block_k=128, which dgrad contracts
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([entry]))
+    monkeypatch.setenv(pallas.TILES_ENV, str(bad))
+    with pytest.raises(ValueError, match="width 250 must be a multiple of block_k=128"):
+        pallas.block_config("dgrad", 384, 250)
