@@ -76,7 +76,7 @@ def main():
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_train"))
     args = parser.parse_args()
     names = args.backends.split(",")
-    if "te" in names:  # TE must load before JAX starts its GPU backend (cuDNN order)
+    if any(n.startswith("te") for n in names):  # TE loads before JAX's GPU backend (cuDNN)
         try:
             from dropless.backends import te
 

@@ -51,6 +51,13 @@ TUNED: dict[tuple[Op, int, int], BlockConfig] = {
     ("fwd", 512, 1024): BlockConfig(128, 128, 64, 3, 8),
     ("dgrad", 512, 1024): BlockConfig(64, 256, 64, 3, 2),
     ("wgrad", 512, 1024): BlockConfig(128, 128, 64, 6, 1),
+    # DeepSeek-V3 experts (7168 -> 2048 -> 7168), 64 experts x 512 rows, H200, 7 tilings each
+    ("fwd", 7168, 2048): BlockConfig(64, 128, 64, 6, 4),
+    ("dgrad", 7168, 2048): BlockConfig(128, 128, 64, 3, 8),
+    ("wgrad", 7168, 2048): BlockConfig(64, 256, 64, 4, 1),
+    ("fwd", 2048, 7168): BlockConfig(128, 128, 64, 3, 8),
+    ("dgrad", 2048, 7168): BlockConfig(64, 128, 64, 6, 4),
+    ("wgrad", 2048, 7168): BlockConfig(64, 256, 64, 4, 1),
 }
 TILES_ENV = "DROPLESS_PALLAS_TILES"
 
