@@ -88,3 +88,44 @@ def test_profile_attributes_time_to_named_scopes_and_directions(tmp_path):
     assert {"attention", "head (bwd)"} <= timed, scopes
     assert abs(sum(r["share"] for r in scopes) - 1) < 1e-6
     assert kernels and (tmp_path / "t.json.gz").stat().st_size > 0
+
+
+def test_tile_search_rejects_inexact_tilings(tmp_path, monkeypatch, capsys):
+    """tune_pallas's search, with the GPU kernels replaced by the reference (and one tiling made
+    wrong): the wrong tiling is never chosen, and the tiles file holds the exact best."""
+    import dataclasses
+    import sys
+    import time
+
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    sys.modules.pop("tune_pallas", None)
+    import tune_pallas
+
+    from dropless.backends import pallas
+
+    wrong = pallas.BlockConfig(64, 128, 64, 2, 1)
+
+    def run_op(op, a, b, group_sizes, cfg):
+        out = pallas.reference_op(op, a, b, group_sizes)
+        return out * 1.5 if cfg == wrong else out
+
+    def kernel_ms(fn, *args):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        return time.perf_counter() - start
+
+    monkeypatch.setattr(pallas, "run_op", run_op)
+    monkeypatch.setattr(pallas, "load_kernels", lambda: None)
+    monkeypatch.setattr(tune_pallas, "kernel_ms", kernel_ms)
+    monkeypatch.setattr(
+        tune_pallas, "candidates", lambda op, k, n, limit: [wrong, pallas.BlockConfig()]
+    )
+    tiles = tmp_path / "tiles.json"
+    argv = ["--shapes", "256x128", "--experts", "4", "--rows", "64", "--ops", "fwd,wgrad"]
+    tune_pallas.main([*argv, "--out", str(tmp_path), "--tiles-out", str(tiles)])
+    entries = json.loads(tiles.read_text())
+    assert [e["op"] for e in entries] == ["fwd", "wgrad"]
+    fields = [f.name for f in dataclasses.fields(pallas.BlockConfig)]
+    chosen = {pallas.BlockConfig(**{f: e[f] for f in fields}) for e in entries}
+    assert chosen == {pallas.BlockConfig()}
+    assert capsys.readouterr().out.count("inexact on uneven groups, rejected") == 2

@@ -49,3 +49,28 @@ def test_a_tiles_file_overrides_the_table(tmp_path, monkeypatch):
     monkeypatch.setenv(pallas.TILES_ENV, str(bad))
     with pytest.raises(ValueError, match="width 250 must be a multiple of block_k=128"):
         pallas.block_config("dgrad", 384, 250)
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+def test_reference_op_is_each_groups_matmul(op):
+    import jax
+    import numpy as np
+
+    sizes = np.array([3, 0, 5, 1])  # an empty group too
+    rows, k, n = sizes.sum(), 6, 4
+    rng = np.random.default_rng(0)
+    x, g = rng.normal(size=(rows, k)), rng.normal(size=(rows, n))
+    w = rng.normal(size=(len(sizes), k, n))
+    a, b = {"fwd": (x, w), "dgrad": (g, w), "wgrad": (x, g)}[op]
+    got = pallas.reference_op(op, jax.numpy.asarray(a), jax.numpy.asarray(b), sizes)
+    ends = np.cumsum(sizes)
+    parts = []
+    for e, (start, end) in enumerate(zip(ends - sizes, ends, strict=True)):
+        if op == "fwd":
+            parts.append(x[start:end] @ w[e])
+        elif op == "dgrad":
+            parts.append(g[start:end] @ w[e].T)
+        else:
+            parts.append(x[start:end].T @ g[start:end])
+    want = np.stack(parts) if op == "wgrad" else np.concatenate(parts)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
