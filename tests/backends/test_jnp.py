@@ -1,0 +1,100 @@
+"""The pure-jnp backend's hand-written pieces against plain jnp (autodiff of the obvious code)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.backends.jnp import (
+    ChunkedGroupedMatmul,
+    _chunked_weight_grad,
+    _sort_by_expert,
+    combine_rows,
+    expand_rows,
+)
+from dropless.backends.oracle import OneHotGroupedMatmul
+
+FP32 = dict(rtol=2e-5, atol=2e-5)
+
+
+def plan(tokens, k, experts, seed):
+    ids = jax.random.randint(jax.random.key(seed), (tokens * k,), 0, experts)
+    order = jnp.argsort(ids, stable=True).astype(jnp.int32)
+    return ids, order, jnp.argsort(order).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("experts", [1, 3, 16])
+def test_sort_by_expert_is_the_stable_argsort(experts):
+    ids, order, _ = plan(50, 4, experts, seed=experts)
+    np.testing.assert_array_equal(_sort_by_expert(ids, experts), order)
+    # experts * copies past int32: the (id, index) pair sort
+    np.testing.assert_array_equal(_sort_by_expert(ids, 2**31), order)
+
+
+@pytest.mark.parametrize("dim", [7, 12, 48])  # 1, 4 and 16 column blocks in combine's backward
+def test_expand_and_combine_match_plain_gathers(dim):
+    tokens, k = 9, 3
+    _, order, inverse = plan(tokens, k, 5, seed=dim)
+    keys = jax.random.split(jax.random.key(dim), 4)
+    x = jax.random.normal(keys[0], (tokens, dim))
+    weights = jax.random.uniform(keys[1], (tokens, k))
+    scale = jax.random.normal(keys[2], (tokens * k, dim))  # stands in for the experts
+    probe = jax.random.normal(keys[3], (tokens, dim))
+
+    def ours(x, weights):
+        rows = expand_rows(x, order, inverse) * scale
+        return combine_rows(rows, weights, order, inverse)
+
+    def plain(x, weights):
+        rows = x[order // k] * scale
+        return jnp.einsum("tkd,tk->td", rows[inverse].reshape(tokens, k, dim), weights)
+
+    np.testing.assert_allclose(ours(x, weights), plain(x, weights), **FP32)
+    grads = [
+        jax.grad(lambda *a, f=f: jnp.sum(f(*a) * probe), argnums=(0, 1))(x, weights)
+        for f in (ours, plain)
+    ]
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_allclose(a, b, **FP32)
+
+
+@pytest.mark.parametrize("chunk", [4, 8])  # groups of 3 chunks on average: a loop; of 1.5: slots
+@pytest.mark.parametrize("skip", [0, 5])
+@pytest.mark.parametrize(
+    "sizes",
+    [[12, 12, 12, 12], [48, 0, 0, 0], [0, 30, 1, 17], [3, 9, 0, 20]],  # the last leaves 16 padding
+    ids=["balanced", "one_group", "with_empty", "padded_tail"],
+)
+def test_weight_grad_matches_per_expert_sum(sizes, skip, chunk):
+    """Groups within, past and far past the batched slots (16 rows each, with chunk=8 and
+    skip=0), empty groups, unused trailing rows, and the `skip` of the capacity strategy."""
+    rows, n_in, n_out = 48, 6, 5
+    sizes = jnp.asarray(sizes, jnp.int32)
+    lhs = jax.random.normal(jax.random.key(0), (rows, n_in))
+    g = jax.random.normal(jax.random.key(1), (rows, n_out))
+    got = _chunked_weight_grad(lhs, g, sizes, chunk, skip, 4)
+    ends = np.cumsum(sizes)
+    want = np.stack(
+        [
+            lhs[end - n + min(skip, n) : end].T @ g[end - n + min(skip, n) : end]
+            for n, end in zip(np.asarray(sizes), ends, strict=True)
+        ]
+    )
+    np.testing.assert_allclose(got, want, **FP32)
+
+
+def test_chunked_matmul_with_fewer_rows_than_a_chunk():
+    """Chunk windows are clamped into the buffer rather than padded past it."""
+    sizes = jnp.asarray([4, 0, 5], jnp.int32)  # and one trailing unused row
+    lhs = jax.random.normal(jax.random.key(0), (10, 6))
+    rhs = jax.random.normal(jax.random.key(1), (3, 6, 5))
+    probe = jax.random.normal(jax.random.key(2), (10, 5))
+    results = [
+        (
+            gmm(lhs, rhs, sizes),
+            jax.grad(lambda a, b, f=gmm: jnp.sum(f(a, b, sizes) * probe), (0, 1))(lhs, rhs),
+        )
+        for gmm in (ChunkedGroupedMatmul(chunk=16), OneHotGroupedMatmul())
+    ]
+    for a, b in zip(*[jax.tree.leaves(r) for r in results], strict=True):
+        np.testing.assert_allclose(a, b, **FP32)
