@@ -19,7 +19,7 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from dropless.dispatch import AbstractDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul
@@ -357,6 +357,70 @@ def default_capacity(rows: int, n_experts: int, capacity_factor: float) -> int:
     return max(8, -(-int(math.ceil(capacity_factor * mean)) // 8) * 8)
 
 
+class SlotLayout(eqx.Module):
+    """Where each expert's first `capacity` rows sit in `[experts capacity]` slots, both ways.
+
+    Each row fills at most one slot and each slot holds at most one row, so moving rows into
+    slots and back are gathers whose transposes are the opposite gathers (no scatter-add).
+    """
+
+    src: Int[Array, "experts capacity"]  # the row in each slot (clipped where unfilled)
+    filled: Bool[Array, "experts capacity"]
+    owner: Int[Array, " rows"]  # the expert of each row
+    position: Int[Array, " rows"]  # its slot, clipped where past capacity
+    in_slots: Bool[Array, " rows"]
+
+    @staticmethod
+    def of(group_sizes: Int[Array, " experts"], rows: int, capacity: int) -> "SlotLayout":
+        n_experts = group_sizes.shape[0]
+        starts = _group_starts(group_sizes)
+        slot = jnp.arange(capacity)
+        owner = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
+        owner = jnp.clip(owner, 0, n_experts - 1)
+        position = jnp.arange(rows) - starts[owner]
+        return SlotLayout(
+            src=jnp.clip(starts[:, None] + slot[None, :], 0, rows - 1),
+            filled=slot[None, :] < group_sizes[:, None],
+            owner=owner,
+            position=jnp.clip(position, 0, capacity - 1),
+            in_slots=position < capacity,
+        )
+
+
+def _gather_slots(x: Float[Array, "rows width"], layout: SlotLayout):
+    return jnp.where(layout.filled[..., None], x[layout.src], 0)
+
+
+def _gather_rows(y: Float[Array, "experts capacity width"], layout: SlotLayout):
+    return jnp.where(layout.in_slots[:, None], y[layout.owner, layout.position], 0)
+
+
+@jax.custom_vjp
+def rows_to_slots(
+    x: Float[Array, "rows width"], layout: SlotLayout
+) -> Float[Array, "experts capacity width"]:
+    """Each expert's first `capacity` rows, zeros in unfilled slots."""
+    return _gather_slots(x, layout)
+
+
+@jax.custom_vjp
+def slots_to_rows(
+    y: Float[Array, "experts capacity width"], layout: SlotLayout
+) -> Float[Array, "rows width"]:
+    """Row r from its slot; zeros for rows past their expert's capacity."""
+    return _gather_rows(y, layout)
+
+
+rows_to_slots.defvjp(
+    lambda x, layout: (_gather_slots(x, layout), layout),
+    lambda layout, g: (_gather_rows(g, layout), None),
+)
+slots_to_rows.defvjp(
+    lambda y, layout: (_gather_rows(y, layout), layout),
+    lambda layout, g: (_gather_slots(g, layout), None),
+)
+
+
 class CapacityGroupedMatmul(AbstractGroupedMatmul):
     """One batched matmul over `capacity` slots per expert, plus the chunked loop for the rows
     of any group longer than that: dropless (overflow rows are computed, never dropped) and
@@ -378,21 +442,9 @@ class CapacityGroupedMatmul(AbstractGroupedMatmul):
         capacity = min(default_capacity(rows, n_experts, self.capacity_factor), rows)
         chunk = self.chunk or default_chunk(rows, n_experts)
         group_sizes = group_sizes.astype(jnp.int32)
-        starts = _group_starts(group_sizes)
-        # Gather each expert's first `capacity` rows into [experts capacity in_] slots.
-        slot = jnp.arange(capacity)
-        filled = slot[None, :] < group_sizes[:, None]
-        src = jnp.clip(starts[:, None] + slot[None, :], 0, rows - 1)
-        x = jnp.where(filled[..., None], lhs[src], 0)
+        layout = SlotLayout.of(group_sizes, rows, capacity)
+        x = rows_to_slots(lhs, layout)
         y = jnp.einsum("eci,eio->eco", x, rhs, preferred_element_type=jnp.float32)
-        # Back to row order: row r sits in slot (owner, r - start[owner]).
-        owner = jnp.clip(
-            jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right"),
-            0,
-            n_experts - 1,
-        )
-        position = jnp.arange(rows) - starts[owner]
-        in_slots = position < capacity
-        y_rows = y[owner, jnp.clip(position, 0, capacity - 1)].astype(lhs.dtype)
+        y_rows = slots_to_rows(y.astype(lhs.dtype), layout)
         overflow = chunked_grouped_matmul(lhs, rhs, group_sizes, chunk, capacity)
-        return jnp.where(in_slots[:, None], y_rows, overflow)
+        return jnp.where(layout.in_slots[:, None], y_rows, overflow)

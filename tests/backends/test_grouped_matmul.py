@@ -95,3 +95,13 @@ def test_shape_mismatch_is_rejected():
         ChunkedGroupedMatmul()(jnp.zeros((4, 3)), jnp.zeros((2, 5, 6)), jnp.array([2, 2]))
     with pytest.raises(Exception, match="groups|experts"):
         ChunkedGroupedMatmul()(jnp.zeros((4, 5)), jnp.zeros((2, 5, 6)), jnp.array([2, 1, 1]))
+
+
+@pytest.mark.parametrize("gmm", [ChunkedGroupedMatmul(chunk=16), CapacityGroupedMatmul()])
+def test_gradient_has_no_scatter_add(gmm):
+    """The pure-jnp strategies' gradients are gathers and loops: no scatter-add (whose atomics
+    make a GPU's sums run in a different order each time, and are slow there)."""
+    sizes = jnp.asarray([40, 0, 50, 6], jnp.int32)  # one group overflows the capacity
+    lhs, rhs = jnp.ones((ROWS, IN)), jnp.ones((4, IN, OUT))
+    grad = jax.grad(lambda a, b: jnp.sum(gmm(a, b, sizes) ** 2), argnums=(0, 1))
+    assert "scatter-add" not in str(jax.make_jaxpr(grad)(lhs, rhs))
