@@ -72,6 +72,7 @@ BACKENDS: dict[str, Callable[[], Backend]] = {
     "jnp-capacity": _jnp_capacity,
     "ragged": _ragged,
     "te": _lazy("dropless.backends.te", "te_backend"),
+    "te-permute": _lazy("dropless.backends.te", "te_permute_backend"),
     "te-gmm": _lazy("dropless.backends.te", "te_gmm_backend"),
     "te-fp8": _lazy("dropless.backends.te", "te_fp8_backend"),
     "pallas": _lazy("dropless.backends.pallas", "pallas_backend"),
@@ -87,10 +88,9 @@ def _has_gpu() -> bool:
 @functools.cache
 def _auto() -> Backend:
     # Ask for TE first: it must load its CUDA libraries before JAX starts its GPU backend.
-    # "te-gmm" (TE's grouped GEMM, our sort dispatcher and router), not the full "te" bundle:
-    # on an H200 (2026-12-02) "te" trained proxy-2b to loss 13.0 in 4 steps where te-gmm's
-    # stages, pallas and jnp-capacity gave 9.1 (docs/benchmarks.md); until that is explained,
-    # TE's permutation is opt-in.
+    # "te-gmm" (TE's grouped GEMM, our sort dispatcher and router): the stages whose training
+    # was measured on the H200 (docs/benchmarks.md). TE's permutation ("te-permute") has wrong
+    # gradients inside lax.scan; TE's top-k ("te") matches ours but its training is unmeasured.
     try:
         return BACKENDS["te-gmm"]()
     except BackendUnavailableError as err:
@@ -116,7 +116,9 @@ def available_backends() -> list[str]:
     names = []
     for name, make in BACKENDS.items():
         try:
-            bundle = make()
+            with warnings.catch_warnings():  # listing a bundle is not choosing it
+                warnings.simplefilter("ignore")
+                bundle = make()
         except (BackendUnavailableError, ModuleNotFoundError):
             continue
         if not bundle.requires_gpu or _has_gpu():

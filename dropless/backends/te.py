@@ -10,6 +10,7 @@ dropless' layout.
 import ctypes
 import functools
 import importlib
+import warnings
 from typing import ClassVar, Literal
 
 import equinox as eqx
@@ -170,7 +171,14 @@ def _dense_weights(routing: Routing) -> jax.Array:
 
 
 class TEDispatcher(AbstractDispatcher):
-    """TE's Triton permutation kernels (`token_dispatch` / `token_combine`)."""
+    """TE's Triton permutation kernels (`token_dispatch` / `token_combine`).
+
+    Exact in a single layer, forward and gradients (GPU tests). Inside `jax.lax.scan` its
+    gradients are wrong: with two scanned MoE layers of proxy-2b's shape the router weights'
+    gradient has relative error 1.0 against jnp-capacity and the experts' gradients are NaN
+    (TE 2.20.2, jax 0.11.2, H200, 2026-12-03). The models scan their layers, so only the
+    "te-permute" bundle uses it; it made the proxy-2b loss climb to 13 in four steps.
+    """
 
     requires_gpu: ClassVar[bool] = True
 
@@ -192,8 +200,21 @@ class TEDispatcher(AbstractDispatcher):
 
 
 def te_backend() -> Backend:
-    """Every stage on Transformer Engine."""
+    """TE's fused top-k and grouped GEMM, with dropless' sort dispatcher (see `TEDispatcher`
+    for why TE's permutation is not part of it)."""
     load_te()
+    return Backend(dispatcher=SortDispatcher(), gmm=TEGroupedMatmul(), topk=TETopK())
+
+
+def te_permute_backend() -> Backend:
+    """Every stage on Transformer Engine, its permutation included. Its gradients are wrong
+    inside `jax.lax.scan`, which the models use over their layers (see `TEDispatcher`)."""
+    load_te()
+    warnings.warn(
+        "backend 'te-permute': TE 2.20.2's token_dispatch/token_combine give wrong gradients "
+        "inside jax.lax.scan (the models scan their layers); use 'te' for training",
+        stacklevel=3,
+    )
     return Backend(dispatcher=TEDispatcher(), gmm=TEGroupedMatmul(), topk=TETopK())
 
 

@@ -231,7 +231,19 @@ def _stage_mix(name):
     return name
 
 
-STAGE_MIXES = ["te", "te-gmm", "pallas", "te-dispatch", "te-topk"]
+SCAN_BUG = pytest.mark.xfail(
+    strict=True,
+    reason="TE 2.20.2's token_dispatch/token_combine: wrong gradients inside lax.scan "
+    "(H200, 2026-12-03; test_te_dispatcher_under_scan)",
+)
+STAGE_MIXES = [
+    "te",
+    "te-gmm",
+    "pallas",
+    pytest.param("te-permute", marks=SCAN_BUG),
+    pytest.param("te-dispatch", marks=SCAN_BUG),
+    "te-topk",
+]
 
 
 def _proxy(layers=3):
@@ -277,7 +289,7 @@ def test_model_gradients_match_jnp_capacity(backend):
     assert max(errs) < 5 * BF16, f"largest relative gradient errors: {worst}"
 
 
-@pytest.mark.parametrize("backend", ["te", "te-dispatch", "te-topk", "te-gmm"])
+@pytest.mark.parametrize("backend", ["te-permute", "te-dispatch", "te-topk", "te-gmm"])
 def test_te_stages_are_repeatable(backend):
     """The same inputs give bit-identical outputs and gradients, also after the device memory
     the stages will reuse was filled with NaNs (a kernel that reads an output buffer it did not
@@ -329,3 +341,29 @@ def _training_losses(backend):
         state, metrics = train_step(state, tokens)
         out.append(float(metrics["loss"]))
     return np.array(out)
+
+
+@SCAN_BUG
+def test_te_dispatcher_under_scan():
+    """TEDispatcher in two scanned MoE layers of proxy-2b's shape: gradients against
+    jnp-capacity's. (In one unscanned layer they agree to 1e-5 in float32, 1e-2 in bf16.)"""
+    from dropless.models.deepseek_v3 import get_preset
+
+    bundle = _stage_mix("te-dispatch")
+    spec = get_preset("proxy-2b").routing_spec()
+    keys = jax.random.split(jax.random.key(0), 2)
+    stack = eqx.filter_vmap(lambda k: MoE(1024, 512, spec, n_shared_experts=1, key=k))(keys)
+    x = jax.random.normal(jax.random.key(1), (2048, 1024), jnp.bfloat16)
+
+    def loss(m, x):
+        params, static = eqx.partition(m, eqx.is_array)
+
+        def body(h, p):
+            return h + eqx.combine(p, static)(h)[0].astype(h.dtype), None
+
+        return jnp.sum(jax.lax.scan(body, x, params)[0].astype(jnp.float32) ** 2)
+
+    grad = eqx.filter_jit(eqx.filter_grad(loss))
+    want, got = grad(with_backend(stack, "jnp-capacity"), x), grad(with_backend(stack, bundle), x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert rel_err(a, b) < 5 * BF16
