@@ -239,13 +239,24 @@ def _chunked_matmul(lhs, rhs, group_sizes, chunk, skip, contract_rhs_dim):
     )
 
 
+def _slot_sources(starts, sizes, slots: int, rows: int):
+    """For `slots` slots per segment: the row each slot reads (clipped into the buffer) and
+    whether it holds one of the segment's rows."""
+    slot = jnp.arange(slots)
+    src = jnp.clip(starts[:, None] + slot[None, :], 0, rows - 1)
+    return src, slot[None, :] < sizes[:, None]
+
+
+def _take_slots(x, src, filled):
+    """x's rows into [segments slots width], zeros in unfilled slots."""
+    return jnp.where(filled[..., None], x[src], 0)
+
+
 def _slot_weight_grad(lhs, grad_out, starts, sizes, slots):
     """d rhs[e] over the first `slots` rows of each segment: the rows gathered into
     [experts slots width] (zeros past a segment's end) and one batched matmul."""
-    slot = jnp.arange(slots)
-    filled = slot[None, :] < sizes[:, None]
-    src = jnp.clip(starts[:, None] + slot[None, :], 0, lhs.shape[0] - 1)
-    x = jnp.where(filled[..., None], lhs[src], 0)
+    src, filled = _slot_sources(starts, sizes, slots, lhs.shape[0])
+    x = _take_slots(lhs, src, filled)
     return jnp.einsum("esi,eso->eio", x, grad_out[src], preferred_element_type=jnp.float32)
 
 
@@ -374,13 +385,13 @@ class SlotLayout(eqx.Module):
     def of(group_sizes: Int[Array, " experts"], rows: int, capacity: int) -> "SlotLayout":
         n_experts = group_sizes.shape[0]
         starts = _group_starts(group_sizes)
-        slot = jnp.arange(capacity)
+        src, filled = _slot_sources(starts, group_sizes, capacity, rows)
         owner = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
         owner = jnp.clip(owner, 0, n_experts - 1)
         position = jnp.arange(rows) - starts[owner]
         return SlotLayout(
-            src=jnp.clip(starts[:, None] + slot[None, :], 0, rows - 1),
-            filled=slot[None, :] < group_sizes[:, None],
+            src=src,
+            filled=filled,
             owner=owner,
             position=jnp.clip(position, 0, capacity - 1),
             in_slots=position < capacity,
@@ -388,7 +399,7 @@ class SlotLayout(eqx.Module):
 
 
 def _gather_slots(x: Float[Array, "rows width"], layout: SlotLayout):
-    return jnp.where(layout.filled[..., None], x[layout.src], 0)
+    return _take_slots(x, layout.src, layout.filled)
 
 
 def _gather_rows(y: Float[Array, "experts capacity width"], layout: SlotLayout):

@@ -217,17 +217,15 @@ def test_pallas_tiles_are_exact(key, kind):
 
 def _stage_mix(name):
     """A registry name, or one TE stage inside jnp-capacity's bundle (to find which stage of
-    the full "te" bundle goes wrong): "te-dispatch" or "te-topk"."""
+    the full TE bundle, "te-permute", goes wrong): "te-dispatch" or "te-topk"."""
     from dropless.backends import Backend
     from dropless.backends.jnp import CapacityGroupedMatmul
 
-    load("pallas" if name == "pallas" else "te")
+    module = load("pallas" if name == "pallas" else "te")
     if name == "te-dispatch":
-        te = load("te")
-        return Backend(te.TEDispatcher(), CapacityGroupedMatmul(), JnpTopK())
+        return Backend(module.TEDispatcher(), CapacityGroupedMatmul(), JnpTopK())
     if name == "te-topk":
-        te = load("te")
-        return Backend(SortDispatcher(), CapacityGroupedMatmul(), te.TETopK())
+        return Backend(SortDispatcher(), CapacityGroupedMatmul(), module.TETopK())
     return name
 
 
@@ -319,8 +317,9 @@ def test_te_stages_are_repeatable(backend):
 def test_training_steps_track_jnp_capacity(backend):
     """Four optimiser steps of a 3-layer proxy-2b give jnp-capacity's losses within bf16 noise
     (2%; on CPU jnp and jnp-capacity differ by 0.02%, on the H200 pallas and jnp-capacity by
-    0.3% on the full proxy-2b). Written after the full "te" bundle reached loss 13.0 on proxy-2b
-    in 4 steps where pallas and jnp-capacity reached 9.1 (H200, 2026-12-02)."""
+    0.3% on the full proxy-2b). Written after the full TE bundle (then "te", now "te-permute")
+    reached loss 13.0 on proxy-2b in 4 steps where pallas and jnp-capacity reached 9.1
+    (H200, 2026-12-02)."""
     _stage_mix(backend)  # skips when its library does not load
     want, got = _training_losses("jnp-capacity"), _training_losses(backend)
     assert want[-1] < want[0] - 0.3  # the reference run does learn
