@@ -23,6 +23,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dropless.dispatch import AbstractDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul
+from dropless.precision import f32_einsum
 
 
 @jax.custom_vjp
@@ -455,7 +456,7 @@ class CapacityGroupedMatmul(AbstractGroupedMatmul):
         group_sizes = group_sizes.astype(jnp.int32)
         layout = SlotLayout.of(group_sizes, rows, capacity)
         x = rows_to_slots(lhs, layout)
-        y = jnp.einsum("eci,eio->eco", x, rhs, preferred_element_type=jnp.float32)
+        y = f32_einsum("eci,eio->eco", x, rhs)
         y_rows = slots_to_rows(y.astype(lhs.dtype), layout)
         overflow = chunked_grouped_matmul(lhs, rhs, group_sizes, chunk, capacity)
         return jnp.where(layout.in_slots[:, None], y_rows, overflow)

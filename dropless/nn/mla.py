@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from dropless.nn.mlp import init_linear
 from dropless.nn.rmsnorm import RMSNorm
 from dropless.nn.rope import RotaryEmbedding, softmax_scale
+from dropless.precision import f32_einsum
 
 AttentionImpl = Literal["xla", "cudnn"]
 
@@ -123,10 +124,10 @@ class MLA(eqx.Module):
         return out.reshape(batch, seq, h * self.v_head_dim) @ self.o_proj.astype(dt)
 
     def _xla(self, q_nope, q_rope, k_nope, k_rope, v):
-        # Scores in float32; the shared rope key is contracted without broadcasting it per head.
-        f32 = jnp.float32
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=f32)
-        scores += jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope, preferred_element_type=f32)
+        # Scores in float32 (backward matmuls in the input dtype); the shared rope key is
+        # contracted without broadcasting it per head.
+        scores = f32_einsum("bqhd,bkhd->bhqk", q_nope, k_nope)
+        scores += f32_einsum("bqhd,bkd->bhqk", q_rope, k_rope)
         seq = scores.shape[-1]
         causal = jnp.tril(jnp.ones((seq, seq), bool))
         scores = jnp.where(causal, scores * self.scale, -jnp.inf)

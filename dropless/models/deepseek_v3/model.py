@@ -15,6 +15,7 @@ from dropless.moe import MoE, MoEStats
 from dropless.nn.block import DecoderBlock
 from dropless.nn.mlp import init_linear
 from dropless.nn.rmsnorm import RMSNorm
+from dropless.precision import f32_einsum
 
 
 class ModelOutput(eqx.Module):
@@ -75,7 +76,7 @@ class DeepSeekV3(eqx.Module):
     def head(self, h: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq vocab"]:
         """Float32 logits of normed hidden states (the main model's and the MTP modules')."""
         w = self.embed_tokens.T if self.lm_head is None else self.lm_head
-        return float32_logits(h, w.astype(h.dtype))
+        return f32_einsum("bsd,dv->bsv", h, w.astype(h.dtype))
 
     def __call__(self, tokens: Int[Array, "batch seq"]) -> ModelOutput:
         """Logits, MTP logits and MoE statistics of a batch of token sequences.
@@ -120,29 +121,6 @@ class DeepSeekV3(eqx.Module):
             moe_stats=empty if stats is None else stats,
             mtp_moe_stats=empty if mtp_stats is None else mtp_stats,
         )
-
-
-@jax.custom_vjp
-def float32_logits(h: Float[Array, "batch seq dim"], w: Float[Array, "dim vocab"]):
-    """h @ w accumulated and returned in float32. The backward runs both matmuls in h's dtype
-    (the float32 cotangent is rounded to it first): autodiff's own transpose would contract
-    the float32 cotangent, which on a GPU makes the two largest matmuls of a step TF32 ones."""
-    return jnp.einsum("bsd,dv->bsv", h, w, preferred_element_type=jnp.float32)
-
-
-def _logits_fwd(h, w):
-    return float32_logits(h, w), (h, w)
-
-
-def _logits_bwd(res, g):
-    h, w = res
-    g = g.astype(h.dtype)
-    dh = jnp.einsum("bsv,dv->bsd", g, w, preferred_element_type=jnp.float32)
-    dw = jnp.einsum("bsd,bsv->dv", h, g, preferred_element_type=jnp.float32)
-    return dh.astype(h.dtype), dw.astype(w.dtype)
-
-
-float32_logits.defvjp(_logits_fwd, _logits_bwd)
 
 
 def _empty_stats(config: DeepSeekV3Config, seq: int) -> MoEStats:

@@ -1,0 +1,70 @@
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.precision import f32_einsum
+
+SPECS = {
+    "bsd,dv->bsv": ((2, 5, 16), (16, 40)),  # the LM head
+    "bqhd,bkd->bhqk": ((2, 6, 3, 8), (2, 6, 8)),  # MLA's shared rope key
+    "eci,eio->eco": ((4, 8, 16), (4, 16, 12)),  # capacity slots
+}
+
+
+def _plain(spec):
+    return lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _operands(spec, dtype):
+    (sa, sb), key = SPECS[spec], jax.random.key(3)
+    ka, kb = jax.random.split(key)
+    return jax.random.normal(ka, sa, dtype), jax.random.normal(kb, sb, dtype)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matches_autodiff(spec, dtype):
+    a, b = _operands(spec, dtype)
+    out, vjp = jax.vjp(lambda a, b: f32_einsum(spec, a, b), a, b)
+    ref_out, ref_vjp = jax.vjp(_plain(spec), a, b)
+    np.testing.assert_array_equal(out, ref_out)
+    assert out.dtype == jnp.float32
+    g = jax.random.normal(jax.random.key(4), out.shape, jnp.float32)
+    # float32: the same maths; bfloat16: the cotangent is rounded to bf16 (relative 2^-8)
+    tol = 1e-6 if dtype == jnp.float32 else 2e-2
+    for got, want in zip(vjp(g), ref_vjp(g), strict=True):
+        assert got.dtype == want.dtype == dtype
+        np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=tol, atol=tol * 4)
+
+
+def _dot_operand_dtypes(fn, *args):
+    jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(*args)
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+def test_backward_matmuls_run_in_the_operand_dtype():
+    spec = "bsd,dv->bsv"
+    a, b = _operands(spec, jnp.bfloat16)
+    ours = _dot_operand_dtypes(lambda a, b: f32_einsum(spec, a, b).sum(), a, b)
+    plain = _dot_operand_dtypes(lambda a, b: _plain(spec)(a, b).sum(), a, b)
+    assert len(ours) >= 3 and all(d == ("bfloat16", "bfloat16") for d in ours)
+    # the reason f32_einsum exists: autodiff's transpose contracts the float32 cotangent
+    assert any("float32" in d for d in plain)
+
+
+def test_mixed_dtypes_are_refused():
+    a, b = _operands("bsd,dv->bsv", jnp.float32)
+    with pytest.raises(TypeError, match="must share a dtype"):
+        f32_einsum("bsd,dv->bsv", a, b.astype(jnp.bfloat16))
