@@ -11,6 +11,7 @@ are reported as such. Writes JSON + CSV + PNG to --out.
 import argparse
 import pathlib
 
+import _profile
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -125,8 +126,22 @@ def bench_gmm(strategies, quick, tiny=False):
 LAYER_BACKENDS = "jnp,jnp-capacity,te,te-gmm,pallas,ragged"
 
 
+def profile_layer(step, layer, x, name, out):
+    """Prints (and writes) the device time per scope of one layer step."""
+    hlo = step.lower(layer, x).compile().compiled.as_text()
+    scopes, kernels = _profile.profile(lambda: jax.block_until_ready(step(layer, x)), hlo)
+    print_table(scopes, f"{name}: device time per scope")
+    print_table(kernels[:12], f"{name}: top kernels")
+    write_results(out, f"profile_layer_{name}", scopes + kernels, {"backend": name})
+
+
 def bench_layer(
-    quick, tiny=False, token_counts=(8192, 16384, 32768), layer_backends=None, experts=256
+    quick,
+    tiny=False,
+    token_counts=(8192, 16384, 32768),
+    layer_backends=None,
+    experts=256,
+    profile_to=None,
 ):
     layer_backends = layer_backends or LAYER_BACKENDS.split(",")
     dim, hidden, experts, k = (128, 32, 16, 4) if tiny else (7168, 2048, experts, 8)
@@ -175,6 +190,8 @@ def bench_layer(
                 continue
             t = time_or_status(step, layer, x)
             row[f"{name} / dense"] = t / t_dense if isinstance(t, float) else t
+            if profile_to is not None and isinstance(t, float):
+                profile_layer(step, layer, x, f"{name}_{tokens}", profile_to)
         rows.append(row)
         title = f"MoE layer fwd+bwd, {tokens} tokens, {experts} experts (time over dense SwiGLU)"
         print_table(rows[-1:], title)
@@ -227,6 +244,7 @@ def main():
     parser.add_argument("--tokens", default="8192,16384,32768", help="MoE layer token counts")
     parser.add_argument("--layer-backends", default=LAYER_BACKENDS, help="MoE layer backends")
     parser.add_argument("--experts", type=int, default=256, help="MoE layer routed experts")
+    parser.add_argument("--profile", action="store_true", help="MoE layer: time per scope")
     parser.add_argument("--skip-gmm", action="store_true")
     parser.add_argument("--skip-layer", action="store_true")
     args = parser.parse_args()
@@ -242,7 +260,8 @@ def main():
     if not args.skip_layer:
         tokens = [int(t) for t in args.tokens.split(",")]
         backends = args.layer_backends.split(",")
-        layer_rows = bench_layer(args.quick, args.tiny, tokens, backends, args.experts)
+        profile_to = args.out if args.profile else None
+        layer_rows = bench_layer(args.quick, args.tiny, tokens, backends, args.experts, profile_to)
         write_results(args.out, f"moe_layer_{args.experts}", layer_rows, meta)
 
 

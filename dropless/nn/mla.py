@@ -135,12 +135,12 @@ class MLA(eqx.Module):
         return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
     def _cudnn(self, q_nope, q_rope, k_nope, k_rope, v):
-        # cuDNN's fused attention wants one head width for q, k and v: zero-pad the narrower side
-        # (zeros change neither q.k nor p@v) and drop the padding afterwards.
+        # cuDNN's fused attention wants one head width for q, k and v, a multiple of 8: zero-pad
+        # them to it (zeros change neither q.k nor p@v) and drop the padding afterwards.
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))
         k = jnp.concatenate([k_nope, k_rope], axis=-1)
-        width = max(q.shape[-1], v.shape[-1])
+        width = -(-max(q.shape[-1], v.shape[-1]) // 8) * 8
 
         def pad(t):
             return jnp.pad(t, ((0, 0), (0, 0), (0, 0), (0, width - t.shape[-1])))
