@@ -23,7 +23,6 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dropless.dispatch import AbstractDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul
-from dropless.precision import f32_einsum
 
 
 @jax.custom_vjp
@@ -253,36 +252,21 @@ def _take_slots(x, src, filled):
     return jnp.where(filled[..., None], x[src], 0)
 
 
-def _slot_weight_grad(lhs, grad_out, starts, sizes, slots):
-    """d rhs[e] over the first `slots` rows of each segment: the rows gathered into
-    [experts slots width] (zeros past a segment's end) and one batched matmul."""
-    src, filled = _slot_sources(starts, sizes, slots, lhs.shape[0])
-    x = _take_slots(lhs, src, filled)
-    return jnp.einsum("esi,eso->eio", x, grad_out[src], preferred_element_type=jnp.float32)
+def _batched_weight_grad(
+    x: Float[Array, "experts slots in_"], g: Float[Array, "experts slots out"]
+) -> Float[Array, "experts in_ out"]:
+    """sum over slots of outer(x, g) per expert: one batched matmul whose [experts in out] output
+    (the largest buffer of the backward) is written once, in the operands' dtype (the matmul
+    still accumulates in float32)."""
+    return jnp.einsum("esi,eso->eio", x, g, preferred_element_type=x.dtype)
 
 
-def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, skip, n_experts):
-    """d rhs[e] = sum over rows r of group e (from its `skip`-th on) of outer(lhs[r], g[r]),
-    accumulated in f32 per expert: no atomics, deterministic.
-
-    When groups are short (a mean of at most two chunks), writing the [experts in out] result
-    costs more than the matmuls, and a loop over experts writes it twice (zeros, then each
-    expert). So the first `slots` rows of every group (the mean group size) go through one
-    batched matmul whose output is that buffer, written once; only the rows past the slots
-    are then added chunk by chunk, for the experts that have them. (Not for `skip > 0`: the
-    overflow part of `CapacityGroupedMatmul` holds few rows, and the loop alone is cheaper.)
-    """
+def _add_row_chunks(drhs, lhs, grad_out, starts, sizes, chunk):
+    """drhs[e] += sum of outer(lhs[r], grad_out[r]) over rows starts[e] .. + sizes[e] - 1, chunk by
+    chunk, accumulated in float32 per expert: no atomics, deterministic. Only experts with such
+    rows are read and rewritten (in place), so nothing is zeroed or added buffer-wide."""
     rows, width = lhs.shape
-    chunk = min(chunk, rows)
     out_width = grad_out.shape[1]
-    starts, sizes = _segments(group_sizes, skip)
-    if skip == 0 and rows // n_experts <= 2 * chunk:
-        slots = min(default_capacity(rows, n_experts, 1.0), rows)
-        drhs = _slot_weight_grad(lhs, grad_out, starts, sizes, slots)
-        starts, sizes = starts + slots, jnp.maximum(sizes - slots, 0)
-    else:
-        slots = 0
-        drhs = jnp.zeros_like(lhs, shape=(n_experts, width, out_width))
 
     def add_rows(e, drhs):
         def per_chunk(c, acc):
@@ -296,7 +280,7 @@ def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, skip, n_experts):
 
         acc = jnp.zeros_like(lhs, shape=(width, out_width), dtype=jnp.float32)
         acc = jax.lax.fori_loop(0, (sizes[e] + chunk - 1) // chunk, per_chunk, acc)
-        new = drhs[e] + acc if slots else acc.astype(drhs.dtype)
+        new = (drhs[e].astype(jnp.float32) + acc).astype(drhs.dtype)
         return jax.lax.dynamic_update_index_in_dim(drhs, new, e, 0)
 
     def per_expert(e, drhs):
@@ -304,39 +288,56 @@ def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, skip, n_experts):
 
     return jax.lax.cond(
         jnp.any(sizes > 0),
-        lambda d: jax.lax.fori_loop(0, n_experts, per_expert, d),
+        lambda d: jax.lax.fori_loop(0, drhs.shape[0], per_expert, d),
         lambda d: d,
         drhs,
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, n_experts):
+    """d rhs[e] = sum over the rows r of group e of outer(lhs[r], grad_out[r]).
+
+    When groups are short (a mean of at most two chunks), writing the [experts in out] result
+    costs more than the matmuls, and a loop over experts writes it twice (zeros, then each
+    expert). So the first `slots` rows of every group (the mean group size) go through one
+    batched matmul whose output is that buffer, written once; only the rows past the slots
+    are then added chunk by chunk, for the experts that have them.
+    """
+    rows, width = lhs.shape
+    chunk = min(chunk, rows)
+    starts, sizes = _group_starts(group_sizes), group_sizes
+    if rows // n_experts <= 2 * chunk:
+        slots = min(default_capacity(rows, n_experts, 1.0), rows)
+        src, filled = _slot_sources(starts, sizes, slots, rows)
+        drhs = _batched_weight_grad(_take_slots(lhs, src, filled), grad_out[src])
+        starts, sizes = starts + slots, jnp.maximum(sizes - slots, 0)
+    else:
+        drhs = jnp.zeros_like(lhs, shape=(n_experts, width, grad_out.shape[1]))
+    return _add_row_chunks(drhs, lhs, grad_out, starts, sizes, chunk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def chunked_grouped_matmul(
     lhs: Float[Array, "rows in_"],
     rhs: Float[Array, "experts in_ out"],
     group_sizes: Int[Array, " experts"],
     chunk: int,
-    skip: int = 0,
 ) -> Float[Array, "rows out"]:
-    """The grouped matmul of `ChunkedGroupedMatmul`, with its exact hand-written gradient.
-
-    With `skip > 0` only the rows of each group past its first `skip` are computed (the
-    overflow part of `CapacityGroupedMatmul`); the other rows come out as zeros.
-    """
-    return _chunked_matmul(lhs, rhs, group_sizes, chunk, skip, contract_rhs_dim=1)
+    """The grouped matmul of `ChunkedGroupedMatmul`, with its exact hand-written gradient."""
+    return _chunked_matmul(lhs, rhs, group_sizes, chunk, 0, contract_rhs_dim=1)
 
 
-def _cgmm_fwd(lhs, rhs, group_sizes, chunk, skip):
-    return chunked_grouped_matmul(lhs, rhs, group_sizes, chunk, skip), (lhs, rhs, group_sizes)
+def _cgmm_fwd(lhs, rhs, group_sizes, chunk):
+    return chunked_grouped_matmul(lhs, rhs, group_sizes, chunk), (lhs, rhs, group_sizes)
 
 
-def _cgmm_bwd(chunk, skip, res, g):
+def _cgmm_bwd(chunk, res, g):
     lhs, rhs, group_sizes = res
     # A constant cotangent (the gradient of a sum) would be sunk by XLA into the loops below
     # and re-materialised at every iteration; the barrier makes it an ordinary array.
     g = jax.lax.optimization_barrier(g.astype(lhs.dtype))
-    dlhs = _chunked_matmul(g, rhs, group_sizes, chunk, skip, contract_rhs_dim=2)
-    drhs = _chunked_weight_grad(lhs, g, group_sizes, chunk, skip, rhs.shape[0])
+    dlhs = _chunked_matmul(g, rhs, group_sizes, chunk, 0, contract_rhs_dim=2)
+    drhs = _chunked_weight_grad(lhs, g, group_sizes, chunk, rhs.shape[0])
     return dlhs, drhs.astype(rhs.dtype), None
 
 
@@ -400,37 +401,64 @@ class SlotLayout(eqx.Module):
 
 
 def _gather_slots(x: Float[Array, "rows width"], layout: SlotLayout):
+    """Each expert's first `capacity` rows, zeros in unfilled slots."""
     return _take_slots(x, layout.src, layout.filled)
 
 
 def _gather_rows(y: Float[Array, "experts capacity width"], layout: SlotLayout):
+    """Row r from its slot; zeros for rows past their expert's capacity."""
     return jnp.where(layout.in_slots[:, None], y[layout.owner, layout.position], 0)
 
 
-@jax.custom_vjp
-def rows_to_slots(
-    x: Float[Array, "rows width"], layout: SlotLayout
-) -> Float[Array, "experts capacity width"]:
-    """Each expert's first `capacity` rows, zeros in unfilled slots."""
-    return _gather_slots(x, layout)
+def _slot_matmul(x, rhs, contract_rhs_dim):
+    """x[e] @ rhs[e] (contract_rhs_dim=1) or x[e] @ rhs[e].T (=2), accumulated in float32."""
+    spec = "eci,eio->eco" if contract_rhs_dim == 1 else "eco,eio->eci"
+    return jnp.einsum(spec, x, rhs, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-@jax.custom_vjp
-def slots_to_rows(
-    y: Float[Array, "experts capacity width"], layout: SlotLayout
-) -> Float[Array, "rows width"]:
-    """Row r from its slot; zeros for rows past their expert's capacity."""
-    return _gather_rows(y, layout)
+def _capacity_matmul(lhs, rhs, group_sizes, layout, chunk, contract_rhs_dim):
+    """The slots' batched matmul, then the chunked loop for the rows past the capacity."""
+    y = _gather_rows(_slot_matmul(_gather_slots(lhs, layout), rhs, contract_rhs_dim), layout)
+    capacity = layout.src.shape[1]
+    overflow = _chunked_matmul(lhs, rhs, group_sizes, chunk, capacity, contract_rhs_dim)
+    return jnp.where(layout.in_slots[:, None], y, overflow)
 
 
-rows_to_slots.defvjp(
-    lambda x, layout: (_gather_slots(x, layout), layout),
-    lambda layout, g: (_gather_rows(g, layout), None),
-)
-slots_to_rows.defvjp(
-    lambda y, layout: (_gather_rows(y, layout), layout),
-    lambda layout, g: (_gather_slots(g, layout), None),
-)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def capacity_grouped_matmul(
+    lhs: Float[Array, "rows in_"],
+    rhs: Float[Array, "experts in_ out"],
+    group_sizes: Int[Array, " experts"],
+    capacity: int,
+    chunk: int,
+) -> Float[Array, "rows out"]:
+    """The grouped matmul of `CapacityGroupedMatmul`, with its exact hand-written gradient.
+
+    Rows move into slots and back by gathers in both directions, and the weight gradient is
+    the slots' batched matmul (written once) plus, in place, the overflow rows of the experts
+    that have any: no scatter-add, and no buffer-wide zeros or sums of [experts in out].
+    """
+    layout = SlotLayout.of(group_sizes, lhs.shape[0], capacity)
+    return _capacity_matmul(lhs, rhs, group_sizes, layout, chunk, contract_rhs_dim=1)
+
+
+def _capacity_fwd(lhs, rhs, group_sizes, capacity, chunk):
+    layout = SlotLayout.of(group_sizes, lhs.shape[0], capacity)
+    out = _capacity_matmul(lhs, rhs, group_sizes, layout, chunk, contract_rhs_dim=1)
+    return out, (lhs, rhs, group_sizes, layout)
+
+
+def _capacity_bwd(capacity, chunk, res, g):
+    lhs, rhs, group_sizes, layout = res
+    g = jax.lax.optimization_barrier(g.astype(lhs.dtype))  # see _cgmm_bwd
+    dlhs = _capacity_matmul(g, rhs, group_sizes, layout, chunk, contract_rhs_dim=2)
+    drhs = _batched_weight_grad(_gather_slots(lhs, layout), _gather_slots(g, layout))
+    starts, sizes = _segments(group_sizes, capacity)
+    drhs = _add_row_chunks(drhs, lhs, g, starts, sizes, min(chunk, lhs.shape[0]))
+    return dlhs, drhs.astype(rhs.dtype), None
+
+
+capacity_grouped_matmul.defvjp(_capacity_fwd, _capacity_bwd)
 
 
 class CapacityGroupedMatmul(AbstractGroupedMatmul):
@@ -453,10 +481,4 @@ class CapacityGroupedMatmul(AbstractGroupedMatmul):
         rows, n_experts = lhs.shape[0], rhs.shape[0]
         capacity = min(default_capacity(rows, n_experts, self.capacity_factor), rows)
         chunk = self.chunk or default_chunk(rows, n_experts)
-        group_sizes = group_sizes.astype(jnp.int32)
-        layout = SlotLayout.of(group_sizes, rows, capacity)
-        x = rows_to_slots(lhs, layout)
-        y = f32_einsum("eci,eio->eco", x, rhs)
-        y_rows = slots_to_rows(y.astype(lhs.dtype), layout)
-        overflow = chunked_grouped_matmul(lhs, rhs, group_sizes, chunk, capacity)
-        return jnp.where(layout.in_slots[:, None], y_rows, overflow)
+        return capacity_grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32), capacity, chunk)

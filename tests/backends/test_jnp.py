@@ -59,24 +59,23 @@ def test_expand_and_combine_match_plain_gathers(dim):
 
 
 @pytest.mark.parametrize("chunk", [4, 8])  # groups of 3 chunks on average: a loop; of 1.5: slots
-@pytest.mark.parametrize("skip", [0, 5])
 @pytest.mark.parametrize(
     "sizes",
     [[12, 12, 12, 12], [48, 0, 0, 0], [0, 30, 1, 17], [3, 9, 0, 20]],  # the last leaves 16 padding
     ids=["balanced", "one_group", "with_empty", "padded_tail"],
 )
-def test_weight_grad_matches_per_expert_sum(sizes, skip, chunk):
-    """Groups within, past and far past the batched slots (16 rows each, with chunk=8 and
-    skip=0), empty groups, unused trailing rows, and the `skip` of the capacity strategy."""
+def test_weight_grad_matches_per_expert_sum(sizes, chunk):
+    """Groups within, past and far past the batched slots (16 rows each, with chunk=8), empty
+    groups, and unused trailing rows."""
     rows, n_in, n_out = 48, 6, 5
     sizes = jnp.asarray(sizes, jnp.int32)
     lhs = jax.random.normal(jax.random.key(0), (rows, n_in))
     g = jax.random.normal(jax.random.key(1), (rows, n_out))
-    got = _chunked_weight_grad(lhs, g, sizes, chunk, skip, 4)
+    got = _chunked_weight_grad(lhs, g, sizes, chunk, 4)
     ends = np.cumsum(sizes)
     want = np.stack(
         [
-            lhs[end - n + min(skip, n) : end].T @ g[end - n + min(skip, n) : end]
+            lhs[end - n : end].T @ g[end - n : end]
             for n, end in zip(np.asarray(sizes), ends, strict=True)
         ]
     )
