@@ -129,6 +129,30 @@ def test_missing_te_names_what_to_install():
         pytest.skip("Transformer Engine is installed here")
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_auto_without_te(monkeypatch, gpu):
+    """Without TE, 'auto' is the chunked 'jnp' on a CPU and 'jnp-capacity' on a GPU (warning
+    that TE is missing), whose batched matmul does not wait on the host."""
+    import dropless.backends as backends
+
+    def missing():
+        raise BackendUnavailableError("needs `pip install 'transformer-engine[jax]'`")
+
+    monkeypatch.setitem(backends.BACKENDS, "te-gmm", missing)
+    monkeypatch.setattr(backends, "_has_gpu", lambda: gpu)
+    backends._auto.cache_clear()
+    try:
+        if gpu:
+            with pytest.warns(UserWarning, match="transformer-engine.*'jnp-capacity'"):
+                chosen = get_backend("auto")
+        else:
+            chosen = get_backend("auto")
+    finally:
+        backends._auto.cache_clear()
+    want = "CapacityGroupedMatmul" if gpu else "ChunkedGroupedMatmul"
+    assert type(chosen.gmm).__name__ == want
+
+
 def test_wrong_input_shape_is_rejected():
     moe = MoE(12, 10, SPECS[0][0], key=jax.random.key(0))
     with pytest.raises(Exception, match="dim|12|shape"):

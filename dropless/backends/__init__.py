@@ -7,7 +7,8 @@ its arrays.
 Names: "jnp" (the default: sort dispatch + chunked grouped matmul), "jnp-capacity" (slots per
 expert + chunked overflow: one big batched matmul, for accelerators), "ragged" (sort dispatch +
 `jax.lax.ragged_dot`), "te" and its mixes (Transformer Engine, GPU), "ep" (XLA expert
-parallelism), and "auto" ("te-gmm" on a GPU where TE imports, jnp otherwise).
+parallelism), and "auto" ("te-gmm" on a GPU where TE imports, "jnp-capacity" on a GPU
+without it, "jnp" elsewhere).
 """
 
 import functools
@@ -88,14 +89,16 @@ def _has_gpu() -> bool:
 @functools.cache
 def _auto() -> Backend:
     # Ask for TE first: it must load its CUDA libraries before JAX starts its GPU backend.
-    # "te-gmm" (TE's grouped GEMM, our sort dispatcher and router): the stages whose training
-    # was measured on the H200 (docs/benchmarks.md). TE's permutation ("te-permute") has wrong
-    # gradients inside lax.scan; TE's top-k ("te") matches ours but its training is unmeasured.
+    # "te-gmm" (TE's grouped GEMM, our sort dispatcher and router): the fastest stages whose
+    # training is checked on the H200 (docs/benchmarks.md). TE's permutation ("te-permute")
+    # has wrong gradients inside lax.scan. On a GPU without TE, "jnp-capacity": its one batched
+    # matmul runs at GPU speed, while the chunked loops of "jnp" wait on the host every step.
     try:
         return BACKENDS["te-gmm"]()
     except BackendUnavailableError as err:
         if _has_gpu():
-            warnings.warn(f"backend 'auto': {err}; falling back to 'jnp'", stacklevel=3)
+            warnings.warn(f"backend 'auto': {err}; falling back to 'jnp-capacity'", stacklevel=3)
+            return _jnp_capacity()
     return _jnp()
 
 
