@@ -1,0 +1,66 @@
+"""GPU benchmark: jnp-capacity on skewed groups, where rows overflow the capacity slots.
+
+    python experiments/bench_capacity_overflow.py [--experts 256] [--rows-per-expert 256]
+
+One Dirichlet(1) draw of group sizes (seed 1), bf16, K x N = 7168 x 2048. For a few chunk sizes
+and capacity factors of `CapacityGroupedMatmul`, and for `ChunkedGroupedMatmul`, prints forward
+and forward+backward time over a dense matmul of equal FLOPs timed in the same run (as in
+bench_moe.py; >1 is faster than dense). The rows past each expert's slots go through the
+chunked loop, whose trip counts are data-dependent; this shows what that loop costs. Run it
+with XLA_FLAGS set to compare compiler settings (docs/benchmarks.md).
+"""
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _timing import machine, median_time
+
+from dropless.backends.jnp import CapacityGroupedMatmul, ChunkedGroupedMatmul
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--rows-per-expert", type=int, default=256)
+    parser.add_argument("--tiny", action="store_true", help="toy widths: a CPU smoke run")
+    args = parser.parse_args()
+    e, per = args.experts, args.rows_per_expert
+    k, n = (64, 32) if args.tiny else (7168, 2048)
+    m = e * per
+    print(machine(), "| XLA_FLAGS:", os.environ.get("XLA_FLAGS", ""))
+    rng = np.random.default_rng(1)
+    sizes = jnp.asarray(rng.multinomial(m, rng.dirichlet(np.ones(e))), jnp.int32)
+    capacity = CapacityGroupedMatmul()
+    past = int(jnp.maximum(sizes - (m // e) * capacity.capacity_factor, 0).sum())
+    print(f"max/mean group {float(sizes.max()) / per:.2f}, rows past 1.25x slots {past} of {m}")
+    keys = jax.random.split(jax.random.key(0), 2)
+    lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+    rhs = (jax.random.normal(keys[1], (e, k, n)) / k**0.5).astype(jnp.bfloat16)
+
+    def fwd_bwd(f):
+        loss = lambda a, b: jnp.sum(f(a, b).astype(jnp.float32))  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+    dense = lambda a, b: a @ b  # noqa: E731
+    t_dense = median_time(jax.jit(dense), lhs, rhs[0])
+    t_dense_fb = median_time(fwd_bwd(dense), lhs, rhs[0])
+    variants = {
+        f"capacity chunk={chunk} cf={cf}": CapacityGroupedMatmul(capacity_factor=cf, chunk=chunk)
+        for cf, chunk in [(1.25, None), (1.25, 128), (1.25, 256), (1.25, 512), (2.0, 256)]
+    }
+    variants["chunked"] = ChunkedGroupedMatmul()
+    for name, gmm in variants.items():
+        f = lambda a, b, gmm=gmm: gmm(a, b, sizes)  # noqa: E731
+        t, t_fb = median_time(jax.jit(f), lhs, rhs), median_time(fwd_bwd(f), lhs, rhs)
+        print(
+            f"{name:28s} fwd/dense {t_dense / t:.3f}  fwd+bwd/dense {t_dense_fb / t_fb:.3f}"
+            f"  fwd {t * 1e3:.1f} ms  fwd+bwd {t_fb * 1e3:.1f} ms",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
