@@ -172,11 +172,11 @@ class SortDispatcher(AbstractDispatcher):
         return y.astype(y_rows.dtype)
 
 
-def default_chunk(rows: int, n_experts: int) -> int:
-    """A power of two near a quarter of the mean group size, in [16, 512]: big enough for an
-    efficient matmul, small enough that the padding per expert (< chunk rows) stays cheap."""
+def default_chunk(rows: int, n_experts: int, per_group: int = 4) -> int:
+    """A power of two near 1/`per_group` of the mean group size, in [16, 512]: big enough for
+    an efficient matmul, small enough that the padding per expert (< chunk rows) stays cheap."""
     mean = max(rows // max(n_experts, 1), 1)
-    return int(min(512, max(16, 2 ** math.floor(math.log2(max(mean // 4, 1))))))
+    return int(min(512, max(16, 2 ** math.floor(math.log2(max(mean // per_group, 1))))))
 
 
 def _group_starts(group_sizes: Int[Array, " experts"]) -> Int[Array, " experts"]:
@@ -471,6 +471,11 @@ class CapacityGroupedMatmul(AbstractGroupedMatmul):
     """
 
     capacity_factor: float = eqx.field(default=1.25, static=True)
+    # None: a power of two near the mean group size (`default_chunk(..., per_group=1)`). Rows
+    # overflow the slots when routing is skewed, by about a mean group per overflowing expert,
+    # and every chunk is a host round trip on a GPU: one chunk per expert is the best trade
+    # (H200, 256 skewed groups: fwd+bwd 0.060 of dense with quarter-mean chunks, 0.098 with
+    # mean-size ones; docs/benchmarks.md).
     chunk: int | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
@@ -480,5 +485,5 @@ class CapacityGroupedMatmul(AbstractGroupedMatmul):
     def _impl(self, lhs, rhs, group_sizes):
         rows, n_experts = lhs.shape[0], rhs.shape[0]
         capacity = min(default_capacity(rows, n_experts, self.capacity_factor), rows)
-        chunk = self.chunk or default_chunk(rows, n_experts)
+        chunk = self.chunk or default_chunk(rows, n_experts, per_group=1)
         return capacity_grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32), capacity, chunk)

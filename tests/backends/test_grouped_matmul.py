@@ -99,8 +99,11 @@ def test_bf16_is_deterministic_and_close(gmm):
 
 def test_default_chunk_is_bounded_power_of_two():
     for rows, e in [(16, 8), (65536, 8), (4096, 64), (1 << 20, 256), (10, 1000)]:
-        c = default_chunk(rows, e)
-        assert 16 <= c <= 512 and c & (c - 1) == 0
+        for per_group in (1, 4):
+            c = default_chunk(rows, e, per_group)
+            assert 16 <= c <= 512 and c & (c - 1) == 0
+            mean = rows // e
+            assert c == 16 or c == 512 or mean // per_group // 2 < c <= mean // per_group
 
 
 def test_shape_mismatch_is_rejected():
