@@ -6,7 +6,8 @@ contracts the float32 cotangent with the bf16 operands, so XLA upcasts them and 
 matmuls run in float32: on an H200 that is TF32 speed at best, several times slower than bf16.
 `f32_einsum` rounds the cotangent to the operands' dtype first, as mixed-precision training
 does everywhere else, so the backward matmuls run in that dtype (still accumulated in float32).
-In float32 every cast is a no-op and the gradient is autodiff's.
+In float32 every cast is a no-op and the gradient is autodiff's. Being a custom VJP, it supports
+reverse-mode autodiff only (no `jax.jvp` / `jax.jacfwd` through it).
 """
 
 import functools

@@ -18,7 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from _timing import machine, median_time
 
-from dropless.backends.jnp import CapacityGroupedMatmul, ChunkedGroupedMatmul
+from dropless.backends.jnp import (
+    CapacityGroupedMatmul,
+    ChunkedGroupedMatmul,
+    default_capacity,
+    default_chunk,
+)
 
 
 def main():
@@ -33,9 +38,9 @@ def main():
     print(machine(), "| XLA_FLAGS:", os.environ.get("XLA_FLAGS", ""))
     rng = np.random.default_rng(1)
     sizes = jnp.asarray(rng.multinomial(m, rng.dirichlet(np.ones(e))), jnp.int32)
-    capacity = CapacityGroupedMatmul()
-    past = int(jnp.maximum(sizes - (m // e) * capacity.capacity_factor, 0).sum())
-    print(f"max/mean group {float(sizes.max()) / per:.2f}, rows past 1.25x slots {past} of {m}")
+    slots = default_capacity(m, e, 1.25)
+    past = int(jnp.maximum(sizes - slots, 0).sum())
+    print(f"max/mean group {float(sizes.max()) / per:.2f}, rows past {slots} slots: {past} of {m}")
     keys = jax.random.split(jax.random.key(0), 2)
     lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
     rhs = (jax.random.normal(keys[1], (e, k, n)) / k**0.5).astype(jnp.bfloat16)
@@ -47,10 +52,14 @@ def main():
     dense = lambda a, b: a @ b  # noqa: E731
     t_dense = median_time(jax.jit(dense), lhs, rhs[0])
     t_dense_fb = median_time(fwd_bwd(dense), lhs, rhs[0])
+    quarter = default_chunk(m, e)  # the default chunk before it became the mean group size
     variants = {
         f"capacity chunk={chunk} cf={cf}": CapacityGroupedMatmul(capacity_factor=cf, chunk=chunk)
-        for cf, chunk in [(1.25, None), (1.25, 128), (1.25, 256), (1.25, 512), (2.0, 256)]
+        for cf, chunk in [(1.25, quarter), (1.25, 128), (1.25, 256), (1.25, 512), (2.0, 256)]
     }
+    variants[f"capacity default (chunk={default_chunk(m, e, per_group=1)})"] = (
+        CapacityGroupedMatmul()
+    )
     variants["chunked"] = ChunkedGroupedMatmul()
     for name, gmm in variants.items():
         f = lambda a, b, gmm=gmm: gmm(a, b, sizes)  # noqa: E731

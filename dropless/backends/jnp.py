@@ -253,12 +253,13 @@ def _take_slots(x, src, filled):
 
 
 def _batched_weight_grad(
-    x: Float[Array, "experts slots in_"], g: Float[Array, "experts slots out"]
+    x: Float[Array, "experts slots in_"], g: Float[Array, "experts slots out"], dtype
 ) -> Float[Array, "experts in_ out"]:
     """sum over slots of outer(x, g) per expert: one batched matmul whose [experts in out] output
-    (the largest buffer of the backward) is written once, in the operands' dtype (the matmul
-    still accumulates in float32)."""
-    return jnp.einsum("esi,eso->eio", x, g, preferred_element_type=x.dtype)
+    (the largest buffer of the backward) is written once, in `dtype` (the weights'). In bf16
+    that halves the buffer against float32; the matmul still accumulates in float32, and an
+    expert whose rows go past the slots is rounded once more after they are added."""
+    return jnp.einsum("esi,eso->eio", x, g, preferred_element_type=dtype)
 
 
 def _add_row_chunks(drhs, lhs, grad_out, starts, sizes, chunk):
@@ -267,6 +268,7 @@ def _add_row_chunks(drhs, lhs, grad_out, starts, sizes, chunk):
     rows are read and rewritten (in place), so nothing is zeroed or added buffer-wide."""
     rows, width = lhs.shape
     out_width = grad_out.shape[1]
+    chunk = min(chunk, rows)
 
     def add_rows(e, drhs):
         def per_chunk(c, acc):
@@ -294,8 +296,8 @@ def _add_row_chunks(drhs, lhs, grad_out, starts, sizes, chunk):
     )
 
 
-def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, n_experts):
-    """d rhs[e] = sum over the rows r of group e of outer(lhs[r], grad_out[r]).
+def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, n_experts, dtype):
+    """d rhs[e] = sum over the rows r of group e of outer(lhs[r], grad_out[r]), in `dtype`.
 
     When groups are short (a mean of at most two chunks), writing the [experts in out] result
     costs more than the matmuls, and a loop over experts writes it twice (zeros, then each
@@ -309,10 +311,10 @@ def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, n_experts):
     if rows // n_experts <= 2 * chunk:
         slots = min(default_capacity(rows, n_experts, 1.0), rows)
         src, filled = _slot_sources(starts, sizes, slots, rows)
-        drhs = _batched_weight_grad(_take_slots(lhs, src, filled), grad_out[src])
+        drhs = _batched_weight_grad(_take_slots(lhs, src, filled), grad_out[src], dtype)
         starts, sizes = starts + slots, jnp.maximum(sizes - slots, 0)
     else:
-        drhs = jnp.zeros_like(lhs, shape=(n_experts, width, grad_out.shape[1]))
+        drhs = jnp.zeros_like(lhs, shape=(n_experts, width, grad_out.shape[1]), dtype=dtype)
     return _add_row_chunks(drhs, lhs, grad_out, starts, sizes, chunk)
 
 
@@ -337,7 +339,8 @@ def _cgmm_bwd(chunk, res, g):
     # and re-materialised at every iteration; the barrier makes it an ordinary array.
     g = jax.lax.optimization_barrier(g.astype(lhs.dtype))
     dlhs = _chunked_matmul(g, rhs, group_sizes, chunk, 0, contract_rhs_dim=2)
-    drhs = _chunked_weight_grad(lhs, g, group_sizes, chunk, rhs.shape[0])
+    dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    drhs = _chunked_weight_grad(lhs, g, group_sizes, chunk, rhs.shape[0], dtype)
     return dlhs, drhs.astype(rhs.dtype), None
 
 
@@ -452,9 +455,10 @@ def _capacity_bwd(capacity, chunk, res, g):
     lhs, rhs, group_sizes, layout = res
     g = jax.lax.optimization_barrier(g.astype(lhs.dtype))  # see _cgmm_bwd
     dlhs = _capacity_matmul(g, rhs, group_sizes, layout, chunk, contract_rhs_dim=2)
-    drhs = _batched_weight_grad(_gather_slots(lhs, layout), _gather_slots(g, layout))
+    dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    drhs = _batched_weight_grad(_gather_slots(lhs, layout), _gather_slots(g, layout), dtype)
     starts, sizes = _segments(group_sizes, capacity)
-    drhs = _add_row_chunks(drhs, lhs, g, starts, sizes, min(chunk, lhs.shape[0]))
+    drhs = _add_row_chunks(drhs, lhs, g, starts, sizes, chunk)
     return dlhs, drhs.astype(rhs.dtype), None
 
 
@@ -473,9 +477,9 @@ class CapacityGroupedMatmul(AbstractGroupedMatmul):
     capacity_factor: float = eqx.field(default=1.25, static=True)
     # None: a power of two near the mean group size (`default_chunk(..., per_group=1)`). Rows
     # overflow the slots when routing is skewed, by about a mean group per overflowing expert,
-    # and every chunk is a host round trip on a GPU: one chunk per expert is the best trade
-    # (H200, 256 skewed groups: fwd+bwd 0.060 of dense with quarter-mean chunks, 0.098 with
-    # mean-size ones; docs/benchmarks.md).
+    # and every chunk is a host round trip on a GPU, so larger chunks pay off (H200, 256 skewed
+    # groups of mean 256: fwd+bwd 0.060 of dense with 64-row chunks, 0.098 with 256, 0.103
+    # with 512; docs/benchmarks.md). The mean keeps the padding per expert below one group.
     chunk: int | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):

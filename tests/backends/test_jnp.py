@@ -7,7 +7,9 @@ import pytest
 
 from dropless.backends.jnp import (
     ChunkedGroupedMatmul,
+    _add_row_chunks,
     _chunked_weight_grad,
+    _segments,
     _sort_by_expert,
     combine_rows,
     expand_rows,
@@ -71,7 +73,7 @@ def test_weight_grad_matches_per_expert_sum(sizes, chunk):
     sizes = jnp.asarray(sizes, jnp.int32)
     lhs = jax.random.normal(jax.random.key(0), (rows, n_in))
     g = jax.random.normal(jax.random.key(1), (rows, n_out))
-    got = _chunked_weight_grad(lhs, g, sizes, chunk, 4)
+    got = _chunked_weight_grad(lhs, g, sizes, chunk, 4, lhs.dtype)
     ends = np.cumsum(sizes)
     want = np.stack(
         [
@@ -80,6 +82,26 @@ def test_weight_grad_matches_per_expert_sum(sizes, chunk):
         ]
     )
     np.testing.assert_allclose(got, want, **FP32)
+
+
+@pytest.mark.parametrize("chunk", [4, 64])  # several chunks per segment; one wider than all rows
+def test_overflow_rows_are_added_in_place(chunk):
+    """The capacity strategy's weight gradient: rows past each group's first `skip` are added
+    to the slots' gradient, and experts without such rows keep theirs untouched."""
+    rows, n_in, n_out, skip = 48, 6, 5, 5
+    sizes = jnp.asarray([0, 30, 1, 17], jnp.int32)
+    lhs = jax.random.normal(jax.random.key(0), (rows, n_in))
+    g = jax.random.normal(jax.random.key(1), (rows, n_out))
+    base = jax.random.normal(jax.random.key(2), (4, n_in, n_out))
+    starts, counts = _segments(sizes, skip)
+    got = _add_row_chunks(base, lhs, g, starts, counts, chunk)
+    ends = np.cumsum(sizes)
+    past = [
+        slice(end - n + min(skip, n), end) for n, end in zip(np.asarray(sizes), ends, strict=True)
+    ]
+    want = base + np.stack([lhs[p].T @ g[p] for p in past])
+    np.testing.assert_allclose(got, want, **FP32)
+    np.testing.assert_array_equal(got[2], base[2])  # one row, inside the first `skip`
 
 
 def test_chunked_matmul_with_fewer_rows_than_a_chunk():
