@@ -244,7 +244,12 @@ def main():
     parser.add_argument("--tokens", default="8192,16384,32768", help="MoE layer token counts")
     parser.add_argument("--layer-backends", default=LAYER_BACKENDS, help="MoE layer backends")
     parser.add_argument("--experts", type=int, default=256, help="MoE layer routed experts")
-    parser.add_argument("--profile", action="store_true", help="MoE layer: time per scope")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="MoE layer: time per scope (kernels inside CUDA command buffers land in 'other'; "
+        "XLA_FLAGS=--xla_gpu_enable_command_buffer= turns those off)",
+    )
     parser.add_argument("--skip-gmm", action="store_true")
     parser.add_argument("--skip-layer", action="store_true")
     args = parser.parse_args()
