@@ -441,8 +441,7 @@ def capacity_grouped_matmul(
     the slots' batched matmul (written once) plus, in place, the overflow rows of the experts
     that have any: no scatter-add, and no buffer-wide zeros or sums of [experts in out].
     """
-    layout = SlotLayout.of(group_sizes, lhs.shape[0], capacity)
-    return _capacity_matmul(lhs, rhs, group_sizes, layout, chunk, contract_rhs_dim=1)
+    return _capacity_fwd(lhs, rhs, group_sizes, capacity, chunk)[0]
 
 
 def _capacity_fwd(lhs, rhs, group_sizes, capacity, chunk):
