@@ -414,9 +414,14 @@ def _gather_rows(y: Float[Array, "experts capacity width"], layout: SlotLayout):
 
 
 def _slot_matmul(x, rhs, contract_rhs_dim):
-    """x[e] @ rhs[e] (contract_rhs_dim=1) or x[e] @ rhs[e].T (=2), accumulated in float32."""
+    """x[e] @ rhs[e] (contract_rhs_dim=1) or x[e] @ rhs[e].T (=2), in x's dtype.
+
+    Matmuls accumulate in float32 whatever their output dtype; asking for a float32 output
+    and rounding it afterwards wrote and read a float32 copy of the result (H200, 256 experts
+    x 256 bf16 rows: fwd+bwd 0.54 -> 0.60 of dense without it).
+    """
     spec = "eci,eio->eco" if contract_rhs_dim == 1 else "eco,eio->eci"
-    return jnp.einsum(spec, x, rhs, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum(spec, x, rhs).astype(x.dtype)
 
 
 def _capacity_matmul(lhs, rhs, group_sizes, layout, chunk, contract_rhs_dim):
