@@ -9,9 +9,14 @@ weights), and divides each by a dense matmul [rows in] @ [in out]: the grouped m
 one call, timed just before and just after each strategy. A ratio of 3 means three times slower
 than dense. Issue 2's targets for the default are at most 3x, 3x and 4x of dense at 8, 64 and 256
 experts. Writes JSON + CSV + a PNG bar plot to --out.
+
+On Linux, `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` backs large buffers with transparent huge
+pages; the 256-expert weight gradient (a fresh 134 MB buffer per call) is bound by page faults
+without it (docs/benchmarks.md). The setting is recorded in the results.
 """
 
 import argparse
+import os
 import pathlib
 import statistics
 import sys
@@ -172,9 +177,11 @@ def main():
     parser.add_argument("--budget", type=float, default=20.0, help="seconds per measurement")
     args = parser.parse_args()
     args.strategies = args.strategies.split(",")
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    env = [f"GLIBC_TUNABLES={tunables}"] if tunables else []
     meta = {
         "machine": machine(),
-        "command": " ".join(["cd experiments && python", *sys.argv]),
+        "command": " ".join(["cd experiments &&", *env, "python", *sys.argv]),
         "rows": args.rows,
         "in": args.in_width,
         "out": args.out_width,

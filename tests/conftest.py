@@ -57,3 +57,22 @@ def backends_under_test() -> list[str]:
 def pytest_generate_tests(metafunc):
     if "backend_name" in metafunc.fixturenames:
         metafunc.parametrize("backend_name", backends_under_test())
+
+
+def _dot_generals(jaxpr) -> list:
+    """Every dot_general equation of a jaxpr, nested ones (loops, custom VJPs) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _dot_generals(sub)
+    return found
+
+
+@pytest.fixture
+def dot_generals():
+    """fn, *args -> the dot_general equations of jax.grad(fn, argnums=(0, 1))(*args)."""
+    return lambda fn, *args: _dot_generals(
+        jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(*args).jaxpr
+    )

@@ -121,3 +121,17 @@ def test_gradient_has_no_scatter_add(gmm):
     lhs, rhs = jnp.ones((ROWS, IN)), jnp.ones((4, IN, OUT))
     grad = jax.grad(lambda a, b: jnp.sum(gmm(a, b, sizes) ** 2), argnums=(0, 1))
     assert "scatter-add" not in str(jax.make_jaxpr(grad)(lhs, rhs))
+
+
+def test_capacity_slot_matmuls_write_the_operand_dtype(dot_generals):
+    """With bf16 operands, every batched matmul of jnp-capacity (slots forward, both gradients)
+    writes bf16: a float32 result rounded afterwards costs a float32 copy of the largest
+    activations (measured on the H200, docs/benchmarks.md, fifth run)."""
+    sizes = jnp.asarray([40, 0, 50, 6], jnp.int32)  # one group overflows the capacity
+    lhs = jnp.ones((ROWS, IN), jnp.bfloat16)
+    rhs = jnp.ones((4, IN, OUT), jnp.bfloat16)
+    gmm = CapacityGroupedMatmul()
+    loss = lambda a, b: jnp.sum(gmm(a, b, sizes).astype(jnp.float32))
+    batched = [e for e in dot_generals(loss, lhs, rhs) if e.params["dimension_numbers"][1][0]]
+    assert len(batched) == 3  # the slots' forward, input gradient and weight gradient
+    assert {str(e.outvars[0].aval.dtype) for e in batched} == {"bfloat16"}
