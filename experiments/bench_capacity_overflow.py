@@ -6,8 +6,10 @@ One Dirichlet(1) draw of group sizes (seed 1), bf16, K x N = 7168 x 2048. For a 
 and capacity factors of `CapacityGroupedMatmul`, and for `ChunkedGroupedMatmul`, prints forward
 and forward+backward time over a dense matmul of equal FLOPs timed in the same run (as in
 bench_moe.py; >1 is faster than dense). The rows past each expert's slots go through the
-chunked loop, whose trip counts are data-dependent; this shows what that loop costs. Run it
-with XLA_FLAGS set to compare compiler settings (docs/benchmarks.md).
+chunked loop, whose trip counts are data-dependent; this shows what that loop costs, and
+what walking it as one flat loop with several chunks per trip (`chunks_per_trip`) saves. The
+group sizes are an argument of the compiled functions, as they are in a model. Run it with
+XLA_FLAGS set to compare compiler settings (docs/benchmarks.md).
 """
 
 import argparse
@@ -46,12 +48,12 @@ def main():
     rhs = (jax.random.normal(keys[1], (e, k, n)) / k**0.5).astype(jnp.bfloat16)
 
     def fwd_bwd(f):
-        loss = lambda a, b: jnp.sum(f(a, b).astype(jnp.float32))  # noqa: E731
+        loss = lambda a, b, s: jnp.sum(f(a, b, s).astype(jnp.float32))  # noqa: E731
         return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
-    dense = lambda a, b: a @ b  # noqa: E731
-    t_dense = median_time(jax.jit(dense), lhs, rhs[0])
-    t_dense_fb = median_time(fwd_bwd(dense), lhs, rhs[0])
+    dense = lambda a, b, s: a @ b  # noqa: E731
+    t_dense = median_time(jax.jit(dense), lhs, rhs[0], sizes)
+    t_dense_fb = median_time(fwd_bwd(dense), lhs, rhs[0], sizes)
     quarter = default_chunk(m, e)  # the default chunk before it became the mean group size
     variants = {
         f"capacity chunk={chunk} cf={cf}": CapacityGroupedMatmul(capacity_factor=cf, chunk=chunk)
@@ -60,12 +62,17 @@ def main():
     variants[f"capacity default (chunk={default_chunk(m, e, per_group=1)})"] = (
         CapacityGroupedMatmul()
     )
+    for per_trip in (1, 4, 16):
+        variants[f"capacity default, {per_trip} chunks/trip"] = CapacityGroupedMatmul(
+            chunks_per_trip=per_trip
+        )
     variants["chunked"] = ChunkedGroupedMatmul()
     for name, gmm in variants.items():
-        f = lambda a, b, gmm=gmm: gmm(a, b, sizes)  # noqa: E731
-        t, t_fb = median_time(jax.jit(f), lhs, rhs), median_time(fwd_bwd(f), lhs, rhs)
+        f = lambda a, b, s, gmm=gmm: gmm(a, b, s)  # noqa: E731
+        args = (lhs, rhs, sizes)
+        t, t_fb = median_time(jax.jit(f), *args), median_time(fwd_bwd(f), *args)
         print(
-            f"{name:28s} fwd/dense {t_dense / t:.3f}  fwd+bwd/dense {t_dense_fb / t_fb:.3f}"
+            f"{name:34s} fwd/dense {t_dense / t:.3f}  fwd+bwd/dense {t_dense_fb / t_fb:.3f}"
             f"  fwd {t * 1e3:.1f} ms  fwd+bwd {t_fb * 1e3:.1f} ms",
             flush=True,
         )

@@ -197,32 +197,61 @@ def _chunk_window(start, remaining, chunk: int, rows: int):
     return first, (position >= 0) & (position < remaining)
 
 
-def _for_each_chunk(starts, sizes, chunk, rows, body, carry):
-    """Calls body(expert, first_row, valid_mask, carry) for each chunk of each segment, in order.
+def _for_each_chunk(starts, sizes, chunk, rows, body, carry, per_trip=None):
+    """Calls body(expert, chunk_index, first_row, valid_mask, carry) for each chunk of each
+    segment, in order.
 
-    The trip counts are data-dependent (while loops), so only chunks holding routed rows run.
+    Trip counts are data-dependent (while loops), so only chunks holding rows run; on a GPU
+    each trip of such a loop waits for the host to read its condition. per_trip=None: a loop
+    over experts around a loop over each one's chunks, one trip per expert and per chunk (the
+    cheapest on a CPU). per_trip=n: one loop over all chunks, n of them per trip in an inner
+    loop of static length, so about chunks / n data-dependent trips; the spare places of the
+    last trip repeat the last chunk with no valid rows, which every body here treats as a no-op.
+    (Unrolling that inner loop made XLA on the CPU copy the carried weight gradient at every
+    chunk: 10x slower.)
     """
+    if per_trip is None:
 
-    def per_expert(e, carry):
-        def per_chunk(c, carry):
-            first, valid = _chunk_window(starts[e] + c * chunk, sizes[e] - c * chunk, chunk, rows)
-            return body(e, first, valid, carry)
+        def per_expert(e, carry):
+            def per_chunk(c, carry):
+                start, remaining = starts[e] + c * chunk, sizes[e] - c * chunk
+                first, valid = _chunk_window(start, remaining, chunk, rows)
+                return body(e, c, first, valid, carry)
 
-        return jax.lax.fori_loop(0, (sizes[e] + chunk - 1) // chunk, per_chunk, carry)
+            return jax.lax.fori_loop(0, (sizes[e] + chunk - 1) // chunk, per_chunk, carry)
 
-    return jax.lax.fori_loop(0, sizes.shape[0], per_expert, carry)
+        return jax.lax.fori_loop(0, sizes.shape[0], per_expert, carry)
+
+    counts = (sizes + chunk - 1) // chunk
+    ends = jnp.cumsum(counts)
+    total = ends[-1]
+
+    def at_chunk(t, carry):
+        last = jnp.minimum(t, total - 1)
+        e = jnp.searchsorted(ends, last, side="right", method="compare_all")
+        c = last - (ends[e] - counts[e])
+        first, valid = _chunk_window(starts[e] + c * chunk, sizes[e] - c * chunk, chunk, rows)
+        return body(e, c, first, valid & (t < total), carry)
+
+    def one_trip(trip, carry):
+        return jax.lax.fori_loop(
+            0, per_trip, lambda i, carry: at_chunk(trip * per_trip + i, carry), carry
+        )
+
+    return jax.lax.fori_loop(0, (total + per_trip - 1) // per_trip, one_trip, carry)
 
 
-def _chunked_matmul(lhs, rhs, group_sizes, chunk, skip, contract_rhs_dim):
+def _chunked_matmul(lhs, rhs, group_sizes, chunk, skip, contract_rhs_dim, per_trip=None):
     """out[r] = lhs[r] @ rhs[e] (contract_rhs_dim=1) or lhs[r] @ rhs[e].T (=2) for the rows of
-    each group from its `skip`-th on; every other row of `out` is zero."""
+    each group from its `skip`-th on; every other row of `out` is zero. `per_trip`: see
+    `_for_each_chunk`."""
     rows, width = lhs.shape
     chunk = min(chunk, rows)
     out_width = rhs.shape[3 - contract_rhs_dim]
     dims = (((1,), (contract_rhs_dim - 1,)), ((), ()))
     starts, sizes = _segments(group_sizes, skip)
 
-    def body(e, first, valid, out):
+    def body(e, c, first, valid, out):
         x = jax.lax.dynamic_slice(lhs, (first, 0), (chunk, width))
         y = jax.lax.dot_general(x, rhs[e], dims, preferred_element_type=jnp.float32)
         old = jax.lax.dynamic_slice(out, (first, 0), (chunk, out_width))
@@ -233,7 +262,7 @@ def _chunked_matmul(lhs, rhs, group_sizes, chunk, skip, contract_rhs_dim):
     out = jnp.zeros_like(lhs, shape=(rows, out_width))
     return jax.lax.cond(
         jnp.any(sizes > 0),
-        lambda o: _for_each_chunk(starts, sizes, chunk, rows, body, o),
+        lambda o: _for_each_chunk(starts, sizes, chunk, rows, body, o, per_trip),
         lambda o: o,
         out,
     )
@@ -262,23 +291,38 @@ def _batched_weight_grad(
     return jnp.einsum("esi,eso->eio", x, g, preferred_element_type=dtype)
 
 
-def _add_row_chunks(drhs, lhs, grad_out, starts, sizes, chunk):
+def _add_row_chunks(drhs, lhs, grad_out, starts, sizes, chunk, per_trip=None):
     """drhs[e] += sum of outer(lhs[r], grad_out[r]) over rows starts[e] .. + sizes[e] - 1, chunk by
     chunk, accumulated in float32 per expert: no atomics, deterministic. Only experts with such
-    rows are read and rewritten (in place), so nothing is zeroed or added buffer-wide."""
+    rows are read and rewritten (in place), so nothing is zeroed or added buffer-wide.
+    `per_trip`: see `_for_each_chunk`."""
     rows, width = lhs.shape
     out_width = grad_out.shape[1]
     chunk = min(chunk, rows)
 
+    def outer(first, valid):
+        x = jax.lax.dynamic_slice(lhs, (first, 0), (chunk, width))
+        x = jnp.where(valid[:, None], x, 0)
+        g = jax.lax.dynamic_slice(grad_out, (first, 0), (chunk, out_width))
+        return jax.lax.dot_general(
+            x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    if per_trip is not None:
+        # one loop over all chunks: the running float32 sum restarts from drhs[e] at an
+        # expert's first chunk and is written back after every chunk (the last write stays)
+        def body(e, c, first, valid, carry):
+            drhs, acc = carry
+            acc = jnp.where(c == 0, drhs[e].astype(jnp.float32), acc) + outer(first, valid)
+            return jax.lax.dynamic_update_index_in_dim(drhs, acc.astype(drhs.dtype), e, 0), acc
+
+        acc = jnp.zeros_like(lhs, shape=(width, out_width), dtype=jnp.float32)
+        return _for_each_chunk(starts, sizes, chunk, rows, body, (drhs, acc), per_trip)[0]
+
     def add_rows(e, drhs):
         def per_chunk(c, acc):
-            first, valid = _chunk_window(starts[e] + c * chunk, sizes[e] - c * chunk, chunk, rows)
-            x = jax.lax.dynamic_slice(lhs, (first, 0), (chunk, width))
-            x = jnp.where(valid[:, None], x, 0)
-            g = jax.lax.dynamic_slice(grad_out, (first, 0), (chunk, out_width))
-            return acc + jax.lax.dot_general(
-                x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )
+            start, remaining = starts[e] + c * chunk, sizes[e] - c * chunk
+            return acc + outer(*_chunk_window(start, remaining, chunk, rows))
 
         acc = jnp.zeros_like(lhs, shape=(width, out_width), dtype=jnp.float32)
         acc = jax.lax.fori_loop(0, (sizes[e] + chunk - 1) // chunk, per_chunk, acc)
@@ -424,21 +468,22 @@ def _slot_matmul(x, rhs, contract_rhs_dim):
     return jnp.einsum(spec, x, rhs).astype(x.dtype)
 
 
-def _capacity_matmul(lhs, rhs, group_sizes, layout, chunk, contract_rhs_dim):
+def _capacity_matmul(lhs, rhs, group_sizes, layout, chunk, per_trip, contract_rhs_dim):
     """The slots' batched matmul, then the chunked loop for the rows past the capacity."""
     y = _gather_rows(_slot_matmul(_gather_slots(lhs, layout), rhs, contract_rhs_dim), layout)
     capacity = layout.src.shape[1]
-    overflow = _chunked_matmul(lhs, rhs, group_sizes, chunk, capacity, contract_rhs_dim)
+    overflow = _chunked_matmul(lhs, rhs, group_sizes, chunk, capacity, contract_rhs_dim, per_trip)
     return jnp.where(layout.in_slots[:, None], y, overflow)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def capacity_grouped_matmul(
     lhs: Float[Array, "rows in_"],
     rhs: Float[Array, "experts in_ out"],
     group_sizes: Int[Array, " experts"],
     capacity: int,
     chunk: int,
+    per_trip: int | None = None,
 ) -> Float[Array, "rows out"]:
     """The grouped matmul of `CapacityGroupedMatmul`, with its exact hand-written gradient.
 
@@ -446,23 +491,23 @@ def capacity_grouped_matmul(
     the slots' batched matmul (written once) plus, in place, the overflow rows of the experts
     that have any: no scatter-add, and no buffer-wide zeros or sums of [experts in out].
     """
-    return _capacity_fwd(lhs, rhs, group_sizes, capacity, chunk)[0]
+    return _capacity_fwd(lhs, rhs, group_sizes, capacity, chunk, per_trip)[0]
 
 
-def _capacity_fwd(lhs, rhs, group_sizes, capacity, chunk):
+def _capacity_fwd(lhs, rhs, group_sizes, capacity, chunk, per_trip):
     layout = SlotLayout.of(group_sizes, lhs.shape[0], capacity)
-    out = _capacity_matmul(lhs, rhs, group_sizes, layout, chunk, contract_rhs_dim=1)
+    out = _capacity_matmul(lhs, rhs, group_sizes, layout, chunk, per_trip, contract_rhs_dim=1)
     return out, (lhs, rhs, group_sizes, layout)
 
 
-def _capacity_bwd(capacity, chunk, res, g):
+def _capacity_bwd(capacity, chunk, per_trip, res, g):
     lhs, rhs, group_sizes, layout = res
     g = jax.lax.optimization_barrier(g.astype(lhs.dtype))  # see _cgmm_bwd
-    dlhs = _capacity_matmul(g, rhs, group_sizes, layout, chunk, contract_rhs_dim=2)
+    dlhs = _capacity_matmul(g, rhs, group_sizes, layout, chunk, per_trip, contract_rhs_dim=2)
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     drhs = _batched_weight_grad(_gather_slots(lhs, layout), _gather_slots(g, layout), dtype)
     starts, sizes = _segments(group_sizes, capacity)
-    drhs = _add_row_chunks(drhs, lhs, g, starts, sizes, chunk)
+    drhs = _add_row_chunks(drhs, lhs, g, starts, sizes, chunk, per_trip)
     return dlhs, drhs.astype(rhs.dtype), None
 
 
@@ -485,13 +530,20 @@ class CapacityGroupedMatmul(AbstractGroupedMatmul):
     # groups of mean 256: fwd+bwd 0.060 of dense with 64-row chunks, 0.098 with 256, 0.103
     # with 512; docs/benchmarks.md). The mean keeps the padding per expert below one group.
     chunk: int | None = eqx.field(default=None, static=True)
+    # How the overflow loop walks its chunks. None: a loop over experts around a loop over each
+    # one's chunks. n: one loop over all chunks, n per trip, for fewer trips (each a host round
+    # trip on a GPU). Measured only on the CPU so far; see `_for_each_chunk`.
+    chunks_per_trip: int | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
         if not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor ({self.capacity_factor}) must be > 0")
+        if self.chunks_per_trip is not None and self.chunks_per_trip < 1:
+            raise ValueError(f"chunks_per_trip ({self.chunks_per_trip}) must be None or >= 1")
 
     def _impl(self, lhs, rhs, group_sizes):
         rows, n_experts = lhs.shape[0], rhs.shape[0]
         capacity = min(default_capacity(rows, n_experts, self.capacity_factor), rows)
         chunk = self.chunk or default_chunk(rows, n_experts, per_group=1)
-        return capacity_grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32), capacity, chunk)
+        gs = group_sizes.astype(jnp.int32)
+        return capacity_grouped_matmul(lhs, rhs, gs, capacity, chunk, self.chunks_per_trip)

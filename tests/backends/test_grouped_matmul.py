@@ -21,6 +21,7 @@ STRATEGIES = [
     ChunkedGroupedMatmul(chunk=64),
     CapacityGroupedMatmul(),
     CapacityGroupedMatmul(capacity_factor=0.5, chunk=16),  # most rows overflow the slots
+    CapacityGroupedMatmul(capacity_factor=0.5, chunk=8, chunks_per_trip=3),  # one flat loop
     RaggedDot(),
 ]
 ROWS, IN, OUT = 96, 24, 20

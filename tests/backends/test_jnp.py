@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dropless.backends.jnp import (
+    CapacityGroupedMatmul,
     ChunkedGroupedMatmul,
     _add_row_chunks,
     _chunked_weight_grad,
@@ -84,8 +85,10 @@ def test_weight_grad_matches_per_expert_sum(sizes, chunk):
     np.testing.assert_allclose(got, want, **FP32)
 
 
+# per_trip: nested loops, one chunk per trip of a flat loop, 3 per trip (spare places in the last)
+@pytest.mark.parametrize("per_trip", [None, 1, 3])
 @pytest.mark.parametrize("chunk", [4, 64])  # several chunks per segment; one wider than all rows
-def test_overflow_rows_are_added_in_place(chunk):
+def test_overflow_rows_are_added_in_place(chunk, per_trip):
     """The capacity strategy's weight gradient: rows past each group's first `skip` are added
     to the slots' gradient, and experts without such rows keep theirs untouched."""
     rows, n_in, n_out, skip = 48, 6, 5, 5
@@ -94,13 +97,14 @@ def test_overflow_rows_are_added_in_place(chunk):
     g = jax.random.normal(jax.random.key(1), (rows, n_out))
     base = jax.random.normal(jax.random.key(2), (4, n_in, n_out))
     starts, counts = _segments(sizes, skip)
-    got = _add_row_chunks(base, lhs, g, starts, counts, chunk)
+    got = _add_row_chunks(base, lhs, g, starts, counts, chunk, per_trip)
     ends = np.cumsum(sizes)
     past = [
         slice(end - n + min(skip, n), end) for n, end in zip(np.asarray(sizes), ends, strict=True)
     ]
     want = base + np.stack([lhs[p].T @ g[p] for p in past])
     np.testing.assert_allclose(got, want, **FP32)
+    np.testing.assert_array_equal(got[0], base[0])  # an empty group
     np.testing.assert_array_equal(got[2], base[2])  # one row, inside the first `skip`
 
 
@@ -119,3 +123,8 @@ def test_chunked_matmul_with_fewer_rows_than_a_chunk():
     ]
     for a, b in zip(*[jax.tree.leaves(r) for r in results], strict=True):
         np.testing.assert_allclose(a, b, **FP32)
+
+
+def test_chunks_per_trip_must_be_positive():
+    with pytest.raises(ValueError, match=r"chunks_per_trip \(0\) must be None or >= 1"):
+        CapacityGroupedMatmul(chunks_per_trip=0)
