@@ -201,14 +201,15 @@ def _for_each_chunk(starts, sizes, chunk, rows, body, carry, per_trip=None):
     """Calls body(expert, chunk_index, first_row, valid_mask, carry) for each chunk of each
     segment, in order.
 
-    Trip counts are data-dependent (while loops), so only chunks holding rows run; on a GPU
-    each trip of such a loop waits for the host to read its condition. per_trip=None: a loop
-    over experts around a loop over each one's chunks, one trip per expert and per chunk (the
+    Trip counts are data-dependent (while loops); on a GPU each trip of such a loop waits for
+    the host to read its condition. per_trip=None: a loop over experts around a loop over each
+    one's chunks, one trip per expert and per chunk, and only chunks holding rows run (the
     cheapest on a CPU). per_trip=n: one loop over all chunks, n of them per trip in an inner
-    loop of static length, so about chunks / n data-dependent trips; the spare places of the
-    last trip repeat the last chunk with no valid rows, which every body here treats as a no-op.
-    (Unrolling that inner loop made XLA on the CPU copy the carried weight gradient at every
-    chunk: 10x slower.)
+    loop of static length, so about chunks / n data-dependent trips, at the price of up to
+    n - 1 spare places in the last trip. Those repeat the last chunk with an all-False mask
+    and cost a full chunk each; a body must leave the carry unchanged for such a call,
+    whatever its chunk index. (Unrolling the inner loop made XLA on the CPU copy the carried
+    weight gradient at every chunk: 10x slower.)
     """
     if per_trip is None:
 
@@ -224,21 +225,21 @@ def _for_each_chunk(starts, sizes, chunk, rows, body, carry, per_trip=None):
 
     counts = (sizes + chunk - 1) // chunk
     ends = jnp.cumsum(counts)
-    total = ends[-1]
+    n_chunks = ends[-1]
 
     def at_chunk(t, carry):
-        last = jnp.minimum(t, total - 1)
-        e = jnp.searchsorted(ends, last, side="right", method="compare_all")
-        c = last - (ends[e] - counts[e])
+        clamped = jnp.minimum(t, n_chunks - 1)  # spare places repeat the last chunk
+        e = jnp.searchsorted(ends, clamped, side="right", method="compare_all")
+        c = clamped - (ends[e] - counts[e])
         first, valid = _chunk_window(starts[e] + c * chunk, sizes[e] - c * chunk, chunk, rows)
-        return body(e, c, first, valid & (t < total), carry)
+        return body(e, c, first, valid & (t < n_chunks), carry)
 
     def one_trip(trip, carry):
         return jax.lax.fori_loop(
             0, per_trip, lambda i, carry: at_chunk(trip * per_trip + i, carry), carry
         )
 
-    return jax.lax.fori_loop(0, (total + per_trip - 1) // per_trip, one_trip, carry)
+    return jax.lax.fori_loop(0, (n_chunks + per_trip - 1) // per_trip, one_trip, carry)
 
 
 def _chunked_matmul(lhs, rhs, group_sizes, chunk, skip, contract_rhs_dim, per_trip=None):
@@ -301,16 +302,20 @@ def _add_row_chunks(drhs, lhs, grad_out, starts, sizes, chunk, per_trip=None):
     chunk = min(chunk, rows)
 
     def outer(first, valid):
-        x = jax.lax.dynamic_slice(lhs, (first, 0), (chunk, width))
-        x = jnp.where(valid[:, None], x, 0)
+        # both sides masked: an inf in another expert's row of the window must not give NaN
+        x = jnp.where(valid[:, None], jax.lax.dynamic_slice(lhs, (first, 0), (chunk, width)), 0)
         g = jax.lax.dynamic_slice(grad_out, (first, 0), (chunk, out_width))
+        g = jnp.where(valid[:, None], g, 0)
         return jax.lax.dot_general(
             x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
 
     if per_trip is not None:
         # one loop over all chunks: the running float32 sum restarts from drhs[e] at an
-        # expert's first chunk and is written back after every chunk (the last write stays)
+        # expert's first chunk and is written back after every chunk (the last write stays),
+        # so each chunk reads and writes a whole [in out] block where the nested loops write
+        # once per expert. A spare place (all-False mask) adds zero to the sum, and at chunk
+        # index 0 restarts it from drhs[e], which already holds the rounded total: no change.
         def body(e, c, first, valid, carry):
             drhs, acc = carry
             acc = jnp.where(c == 0, drhs[e].astype(jnp.float32), acc) + outer(first, valid)
@@ -460,9 +465,10 @@ def _gather_rows(y: Float[Array, "experts capacity width"], layout: SlotLayout):
 def _slot_matmul(x, rhs, contract_rhs_dim):
     """x[e] @ rhs[e] (contract_rhs_dim=1) or x[e] @ rhs[e].T (=2), in x's dtype.
 
-    Matmuls accumulate in float32 whatever their output dtype; asking for a float32 output
-    and rounding it afterwards wrote and read a float32 copy of the result (H200, 256 experts
-    x 256 bf16 rows: fwd+bwd 0.54 -> 0.60 of dense without it).
+    XLA's bf16 matmuls accumulate in float32 on the CPU and the GPU whatever their output
+    dtype; asking for a float32 output and rounding it afterwards wrote and read a float32
+    copy of the result (H200, 256 experts x 256 bf16 rows, balanced groups: fwd+bwd at 0.54
+    of dense throughput with that copy, 0.60 without).
     """
     spec = "eci,eio->eco" if contract_rhs_dim == 1 else "eco,eio->eci"
     return jnp.einsum(spec, x, rhs).astype(x.dtype)
@@ -532,14 +538,17 @@ class CapacityGroupedMatmul(AbstractGroupedMatmul):
     chunk: int | None = eqx.field(default=None, static=True)
     # How the overflow loop walks its chunks. None: a loop over experts around a loop over each
     # one's chunks. n: one loop over all chunks, n per trip, for fewer trips (each a host round
-    # trip on a GPU). Measured only on the CPU so far; see `_for_each_chunk`.
+    # trip on a GPU). No faster on the CPU; not yet measured on a GPU, where an earlier flat
+    # loop failed inside XLA (docs/benchmarks.md). The two sum the weight gradient in a
+    # different order, so results differ by float rounding. See `_for_each_chunk`.
     chunks_per_trip: int | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
         if not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor ({self.capacity_factor}) must be > 0")
-        if self.chunks_per_trip is not None and self.chunks_per_trip < 1:
-            raise ValueError(f"chunks_per_trip ({self.chunks_per_trip}) must be None or >= 1")
+        n = self.chunks_per_trip
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"chunks_per_trip ({n!r}) must be None or an int >= 1")
 
     def _impl(self, lhs, rhs, group_sizes):
         rows, n_experts = lhs.shape[0], rhs.shape[0]

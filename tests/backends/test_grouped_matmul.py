@@ -47,9 +47,14 @@ def groups(draw):
     return jnp.asarray(sizes, jnp.int32), seed
 
 
-@pytest.mark.parametrize(
-    "gmm", STRATEGIES, ids=lambda g: f"{type(g).__name__}-{getattr(g, 'chunk', '')}"
-)
+def _strategy_id(gmm) -> str:
+    fields = ("capacity_factor", "chunk", "chunks_per_trip")
+    return "-".join(
+        [type(gmm).__name__] + [f"{f}={getattr(gmm, f)}" for f in fields if hasattr(gmm, f)]
+    )
+
+
+@pytest.mark.parametrize("gmm", STRATEGIES, ids=_strategy_id)
 @settings(max_examples=10)
 @given(groups())
 def test_equals_oracle_forward_and_gradient(gmm, g):
@@ -74,7 +79,15 @@ def test_equals_oracle_forward_and_gradient(gmm, g):
         np.testing.assert_allclose(a, b, **FP32)
 
 
-@pytest.mark.parametrize("gmm", [ChunkedGroupedMatmul(), CapacityGroupedMatmul()])
+@pytest.mark.parametrize(
+    "gmm",
+    [
+        ChunkedGroupedMatmul(),
+        CapacityGroupedMatmul(),
+        CapacityGroupedMatmul(chunk=8, chunks_per_trip=3),
+    ],
+    ids=_strategy_id,
+)
 def test_bf16_is_deterministic_and_close(gmm):
     """In bf16 (one group past its capacity slots, one empty): the output and both gradients
     keep their dtypes, repeat bit for bit, and stay within bf16 rounding of the f32 oracle."""

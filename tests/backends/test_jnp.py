@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxtyping import TypeCheckError
 
 from dropless.backends.jnp import (
     CapacityGroupedMatmul,
@@ -125,6 +126,20 @@ def test_chunked_matmul_with_fewer_rows_than_a_chunk():
         np.testing.assert_allclose(a, b, **FP32)
 
 
-def test_chunks_per_trip_must_be_positive():
-    with pytest.raises(ValueError, match=r"chunks_per_trip \(0\) must be None or >= 1"):
-        CapacityGroupedMatmul(chunks_per_trip=0)
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True])
+def test_chunks_per_trip_must_be_a_positive_int(bad):
+    # with the tests' runtime type checks on, a float fails its annotation first
+    with pytest.raises((ValueError, TypeCheckError), match=r"chunks_per_trip"):
+        CapacityGroupedMatmul(chunks_per_trip=bad)
+
+
+@pytest.mark.parametrize("per_trip", [None, 2])
+def test_overflow_weight_grad_ignores_other_experts_rows(per_trip):
+    """A chunk window may cover rows of the next expert: an inf gradient there must not reach
+    this expert's weight gradient (0 * inf would be NaN)."""
+    sizes = jnp.asarray([12, 12], jnp.int32)
+    lhs = jnp.ones((24, 3))
+    g = jnp.ones((24, 2)).at[13].set(jnp.inf)  # a row of expert 1
+    starts, counts = _segments(sizes, 4)  # expert 0's rows 4..11: one 8-row chunk
+    got = _add_row_chunks(jnp.zeros((2, 3, 2)), lhs, g, starts, counts, 10, per_trip)
+    np.testing.assert_array_equal(got[0], np.full((3, 2), 8.0))
