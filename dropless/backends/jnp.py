@@ -188,10 +188,11 @@ def _segments(group_sizes, skip):
     return _group_starts(group_sizes) + skip, jnp.maximum(group_sizes - skip, 0)
 
 
-def _chunk_window(start, remaining, chunk: int, rows: int):
-    """The `chunk`-row window holding rows start .. start + remaining - 1 (at most a chunk of
-    them): its first row, kept in bounds as dynamic_slice would, and which of its rows those
-    are. Clamping the window instead of padding the operands saves copying them."""
+def _chunk_window(start, size, c, chunk: int, rows: int):
+    """The window of the `c`-th chunk of a segment of `size` rows from row `start`: the window's
+    first row, kept in bounds as dynamic_slice would, and which of its `chunk` rows belong to
+    that chunk. Clamping the window instead of padding the operands saves copying them."""
+    start, remaining = start + c * chunk, size - c * chunk
     first = jnp.clip(start, 0, rows - chunk)
     position = jnp.arange(chunk) + first - start
     return first, (position >= 0) & (position < remaining)
@@ -215,8 +216,7 @@ def _for_each_chunk(starts, sizes, chunk, rows, body, carry, per_trip=None):
 
         def per_expert(e, carry):
             def per_chunk(c, carry):
-                start, remaining = starts[e] + c * chunk, sizes[e] - c * chunk
-                first, valid = _chunk_window(start, remaining, chunk, rows)
+                first, valid = _chunk_window(starts[e], sizes[e], c, chunk, rows)
                 return body(e, c, first, valid, carry)
 
             return jax.lax.fori_loop(0, (sizes[e] + chunk - 1) // chunk, per_chunk, carry)
@@ -231,7 +231,7 @@ def _for_each_chunk(starts, sizes, chunk, rows, body, carry, per_trip=None):
         clamped = jnp.minimum(t, n_chunks - 1)  # spare places repeat the last chunk
         e = jnp.searchsorted(ends, clamped, side="right", method="compare_all")
         c = clamped - (ends[e] - counts[e])
-        first, valid = _chunk_window(starts[e] + c * chunk, sizes[e] - c * chunk, chunk, rows)
+        first, valid = _chunk_window(starts[e], sizes[e], c, chunk, rows)
         return body(e, c, first, valid & (t < n_chunks), carry)
 
     def one_trip(trip, carry):
@@ -326,8 +326,7 @@ def _add_row_chunks(drhs, lhs, grad_out, starts, sizes, chunk, per_trip=None):
 
     def add_rows(e, drhs):
         def per_chunk(c, acc):
-            start, remaining = starts[e] + c * chunk, sizes[e] - c * chunk
-            return acc + outer(*_chunk_window(start, remaining, chunk, rows))
+            return acc + outer(*_chunk_window(starts[e], sizes[e], c, chunk, rows))
 
         acc = jnp.zeros_like(lhs, shape=(width, out_width), dtype=jnp.float32)
         acc = jax.lax.fori_loop(0, (sizes[e] + chunk - 1) // chunk, per_chunk, acc)
