@@ -1,8 +1,9 @@
-"""A TE-free fast grouped GEMM for Hopper GPUs, on JAX's own Mosaic GPU (Pallas) kernels.
+"""A TE-free fast grouped GEMM for Hopper GPUs, on Mosaic GPU (Pallas) kernels.
 
-Forward: `ragged_dot_mgpu.ragged_dot`; input gradient: the same kernel with `transpose_rhs`;
-weight gradient: `transposed_ragged_dot_mgpu.transposed_ragged_dot`. A custom VJP ties them
-together. Tile sizes come from a table per operation and shape (`TUNED`, filled by
+Forward and input gradient: our warp-specialised kernel (`mosaic_gmm`), or with
+`row_kernels="jax"` JAX's `ragged_dot_mgpu.ragged_dot` (`transpose_rhs` for the input gradient).
+Weight gradient: JAX's `transposed_ragged_dot_mgpu.transposed_ragged_dot`. A custom VJP ties them
+together. JAX's kernels take tile sizes from a table per operation and shape (`TUNED`, filled by
 experiments/tune_pallas.py), with a default that is valid whenever widths are multiples of 128.
 """
 
@@ -91,6 +92,8 @@ def load_kernels():
         raise BackendUnavailableError("the Pallas grouped matmul needs an NVIDIA Hopper GPU")
     try:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+        from dropless.backends import mosaic_gmm  # noqa: F401  (needs the same Mosaic GPU)
     except ImportError as err:
         raise BackendUnavailableError(f"Mosaic GPU kernels are not importable: {err}") from err
     return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
@@ -117,21 +120,35 @@ def reference_op(op: Op, a, b, group_sizes):
     return jnp.take_along_axis(every, owner[:, None, None], axis=1)[:, 0]
 
 
-@jax.custom_vjp
-def pallas_grouped_matmul(lhs, rhs, group_sizes):
-    in_width, out_width = rhs.shape[1:]
-    return run_op("fwd", lhs, rhs, group_sizes, block_config("fwd", in_width, out_width))
+RowKernels = Literal["dropless", "jax"]
 
 
-def _fwd(lhs, rhs, group_sizes):
-    return pallas_grouped_matmul(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+def row_op(op: Op, a, b, group_sizes, kernels: RowKernels):
+    """fwd(x, w) or dgrad(g, w), one output row per input row, on the chosen kernels."""
+    if op not in ("fwd", "dgrad"):
+        raise ValueError(f"row_op: op={op!r} must be 'fwd' or 'dgrad'")
+    in_width, out_width = b.shape[1:]
+    if kernels == "jax":
+        return run_op(op, a, b, group_sizes, block_config(op, in_width, out_width))
+    from dropless.backends import mosaic_gmm
+
+    return mosaic_gmm.grouped_matmul(a, b, group_sizes, transpose_rhs=op == "dgrad")
 
 
-def _bwd(res, g):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def pallas_grouped_matmul(lhs, rhs, group_sizes, kernels: RowKernels = "dropless"):
+    return row_op("fwd", lhs, rhs, group_sizes, kernels)
+
+
+def _fwd(lhs, rhs, group_sizes, kernels):
+    return pallas_grouped_matmul(lhs, rhs, group_sizes, kernels), (lhs, rhs, group_sizes)
+
+
+def _bwd(kernels, res, g):
     lhs, rhs, group_sizes = res
     in_width, out_width = rhs.shape[1:]
     g = g.astype(lhs.dtype)
-    dlhs = run_op("dgrad", g, rhs, group_sizes, block_config("dgrad", in_width, out_width))
+    dlhs = row_op("dgrad", g, rhs, group_sizes, kernels)
     drhs = run_op("wgrad", lhs, g, group_sizes, block_config("wgrad", in_width, out_width))
     return dlhs, drhs.astype(rhs.dtype), None
 
@@ -140,14 +157,25 @@ pallas_grouped_matmul.defvjp(_fwd, _bwd)
 
 
 class PallasGroupedMatmul(AbstractGroupedMatmul):
-    """Grouped GEMM on Mosaic GPU kernels (Hopper, bf16/fp16), with an exact custom VJP."""
+    """Grouped GEMM on Mosaic GPU kernels (Hopper, bf16/fp16), with an exact custom VJP.
+    `row_kernels` picks the forward and input-gradient kernels: "dropless" (ours, faster with
+    many experts) or "jax" (JAX's `ragged_dot_mgpu`, for comparison)."""
 
     requires_gpu: ClassVar[bool] = True
     compute_dtype: str = eqx.field(default="bfloat16", static=True)
+    row_kernels: RowKernels = eqx.field(default="dropless", static=True)
+
+    def __check_init__(self):
+        if self.row_kernels not in ("dropless", "jax"):
+            raise ValueError(
+                f"PallasGroupedMatmul.row_kernels={self.row_kernels!r} must be 'dropless' or 'jax'"
+            )
 
     def _impl(self, lhs, rhs, group_sizes):
         dt = jnp.dtype(self.compute_dtype)
-        out = pallas_grouped_matmul(lhs.astype(dt), rhs.astype(dt), group_sizes.astype(jnp.int32))
+        out = pallas_grouped_matmul(
+            lhs.astype(dt), rhs.astype(dt), group_sizes.astype(jnp.int32), self.row_kernels
+        )
         return out.astype(lhs.dtype)
 
 

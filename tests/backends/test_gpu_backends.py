@@ -60,14 +60,15 @@ def group_sizes(kind, rows, e, seed):
 
 def gmm_strategies():
     out = []
-    for name in ("te", "te-fp8", "pallas"):
+    for name in ("te", "te-fp8", "pallas", "pallas-jax"):
         out.append(pytest.param(name, id=name))
     return out
 
 
 def make_gmm(name):
-    if name == "pallas":
-        return load("pallas").PallasGroupedMatmul()
+    if name.startswith("pallas"):
+        kernels = "jax" if name == "pallas-jax" else "dropless"
+        return load("pallas").PallasGroupedMatmul(row_kernels=kernels)
     te = load("te")
     return te.TEGroupedMatmul(fp8="current" if name == "te-fp8" else None)
 

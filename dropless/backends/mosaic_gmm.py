@@ -1,0 +1,228 @@
+"""A warp-specialised grouped matmul for Hopper, written in Pallas' Mosaic GPU dialect.
+
+`out[r] = lhs[r] @ rhs[e]` for the expert-contiguous rows r of each group e (and, with
+`transpose_rhs`, `lhs[r] @ rhs[e].T`, the input gradient). Two things make it fast where
+JAX's `ragged_dot_mgpu` is slow with many experts:
+
+- A tile schedule computed by XLA before the launch: one entry per (group, row block) pair that
+  holds rows of that group, in row order. A kernel step reads its entry (four scalars) instead
+  of scanning every group boundary, which costs O(experts) per tile.
+- The Hopper matmul recipe: a memory warpgroup streams `lhs` and `rhs` tiles into shared memory
+  through TMA while two compute warpgroups multiply them (each a `tile_m x tile_n` half of the
+  block), so loads and tensor-core work overlap.
+
+A row block that straddles two groups is computed once per group; each pass stores only its own
+rows, through a ladder of power-of-two TMA stores (the row count is known only at run time).
+Rows after the last group are computed with the last expert's weights: finite for finite input,
+as the grouped-matmul contract asks.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes. A thread block computes `tile_m x 2*tile_n` outputs (one half per compute
+    warpgroup), contracting `tile_k` at a time with up to `max_concurrent_steps` loads in
+    flight; `band` column blocks are walked together so that concurrent blocks share weights."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 3
+    band: int = 4
+
+    def __post_init__(self):
+        if self.tile_m & (self.tile_m - 1):
+            raise ValueError(f"KernelConfig.tile_m={self.tile_m} must be a power of two")
+
+
+def config_for(out_width: int) -> KernelConfig:
+    """Tiles for an output `out_width` wide. Chosen on an H200 (docs/benchmarks.md): 2 x 128
+    columns per block with 3 loads in flight is fastest at DeepSeek-V3 widths; shared memory
+    (227 KiB) allows no 4th. Widths that 256 does not divide get 2 x 64 columns."""
+    if out_width % 256:
+        return KernelConfig(tile_n=64, max_concurrent_steps=4, band=8)
+    return KernelConfig()
+
+
+def tile_schedule(
+    group_sizes: Int[Array, " groups"], rows: int, tile_m: int
+) -> tuple[Int[Array, "4 slots"], Int[Array, "1"]]:
+    """Work items of the row loop, in row order: (group, row block, first row, end row), the
+    rows as offsets within the block; and how many items are real. The last group is stretched
+    to cover every row to `rows`. `slots` = row blocks + groups - 1 bounds the item count."""
+    n_groups = group_sizes.shape[0]
+    n_blocks = -(-rows // tile_m)
+    slots = n_blocks + n_groups - 1
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32)).at[-1].set(rows)
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
+    first_block = starts // tile_m
+    blocks = jnp.where(ends > starts, -(-ends // tile_m) - first_block, 0)
+    items_before = jnp.cumsum(blocks)
+    item = jnp.arange(slots, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(items_before, item, side="right"), n_groups - 1)
+    block = first_block[group] + item - (items_before[group] - blocks[group])
+    block_row = block * tile_m
+    first = jnp.clip(starts[group] - block_row, 0, tile_m)
+    end = jnp.clip(ends[group] - block_row, 0, tile_m)
+    schedule = jnp.stack([group, block, first, end]).astype(jnp.int32)
+    return schedule, items_before[-1:].astype(jnp.int32)
+
+
+def grouped_matmul(
+    lhs: Float[Array, "rows k"],
+    rhs: Float[Array, "groups _ _"],
+    group_sizes: Int[Array, " groups"],
+    *,
+    transpose_rhs: bool = False,
+    config: KernelConfig | None = None,
+) -> Float[Array, "rows n"]:
+    """`lhs` times each group's `rhs[e]`, `[k n]` (or `[n k]` with `transpose_rhs`), in the
+    operands' dtype (bf16 or f16) with float32 accumulation."""
+    rows, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    c = config or config_for(n)
+    for name, width, block in (("k", k, c.tile_k), ("n", n, 2 * c.tile_n)):
+        if width % block:
+            raise ValueError(
+                f"Mosaic grouped matmul: width {name}={width} must be a multiple of {block}"
+            )
+    padded = -(-rows // c.tile_m) * c.tile_m
+    if padded != rows:  # whole row blocks keep every TMA load in bounds
+        lhs = jnp.pad(lhs, ((0, padded - rows), (0, 0)))
+    schedule, n_items = tile_schedule(group_sizes, padded, c.tile_m)
+    out = _launch(schedule, n_items, lhs, rhs, transpose_rhs, c)
+    return out[:rows]
+
+
+def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
+    rows, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    dtype = lhs.dtype
+    cta_n = 2 * c.tile_n
+    n_blocks = n // cta_n
+    swizzle = plgpu.find_swizzle(c.tile_k * jnp.dtype(dtype).itemsize * 8)
+    tiled = (
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+    lhs_spec = plgpu.BlockSpec((c.tile_m, c.tile_k), lambda kk: (0, kk), transforms=tiled)
+    if transpose_rhs:
+        rhs_spec = plgpu.BlockSpec((cta_n, c.tile_k), lambda kk: (0, kk), transforms=tiled)
+    else:
+        rhs_spec = plgpu.BlockSpec((c.tile_k, cta_n), lambda kk: (kk, 0), transforms=tiled)
+
+    def pipeline(mma, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            mma,
+            grid=(k // c.tile_k,),
+            memory_registers=40,
+            in_specs=[lhs_spec, rhs_spec],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=c.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    def body(schedule_gmem, n_items_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
+        allocs = pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0])
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=allocs,
+            out_smem=plgpu.SMEM((2, c.tile_m, c.tile_n), dtype),
+            collective_axes="wg",
+        )
+        def scope(allocs, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((n_items_gmem[0] * n_blocks,), collective_axes="sm")
+            def step(info):
+                item, col_block = plgpu.planar_snake(
+                    info.index[0], (n_items_gmem[0], n_blocks), 1, c.band
+                )
+                group = schedule_gmem[0, item]
+                row0 = schedule_gmem[1, item] * c.tile_m
+                first, end = schedule_gmem[2, item], schedule_gmem[3, item]
+                cols = pl.ds(col_block * cta_n, cta_n)
+                wg_cols = pl.ds(wg * c.tile_n, c.tile_n)
+                weights = rhs_gmem.at[group]
+                weights = weights.at[cols, :] if transpose_rhs else weights.at[:, cols]
+
+                def mma(_, lhs_smem, rhs_smem, acc):
+                    if transpose_rhs:
+                        rhs_half = plgpu.transpose_ref(rhs_smem.at[wg_cols, :], (1, 0))
+                    else:
+                        rhs_half = rhs_smem.at[:, wg_cols]
+                    plgpu.wgmma(acc, lhs_smem, rhs_half)
+                    plgpu.wgmma_wait(0)
+                    return acc
+
+                def compute_context(run):
+                    @functools.partial(
+                        pl.run_scoped, acc=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32)
+                    )
+                    def _(acc):
+                        run(acc)
+                        result = acc[...].astype(dtype)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last item's stores
+                        out_smem[wg] = result
+                        plgpu.commit_smem()
+                        _store_rows(
+                            out_smem.at[wg],
+                            out_gmem.at[pl.ds(row0, c.tile_m), cols].at[:, wg_cols],
+                            first,
+                            end - first,
+                            c.tile_m,
+                        )
+
+                pipeline(mma, compute_context)(
+                    lhs_gmem.at[pl.ds(row0, c.tile_m), :], weights, allocations=allocs
+                )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((rows, n), dtype),
+        grid=(getattr(jax.devices()[0], "core_count", None) or 4,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **_interpret_kwargs(),
+    )
+    return kernel(schedule, n_items, lhs, rhs)
+
+
+def _store_rows(smem, gmem, first, count, tile_m: int):
+    """Copy rows [first, first + count) of a tile to the same rows of `gmem`: TMA needs a static
+    row count, so one store per set bit of `count`, largest first."""
+    start = first
+    for bit in reversed(range(int(math.log2(tile_m)) + 1)):
+        size = 1 << bit
+
+        @pl.when(count & size != 0)
+        def _(start=start, size=size):  # runs here, at trace time: the binding is for ruff
+            plgpu.copy_smem_to_gmem(smem.at[pl.ds(start, size)], gmem.at[pl.ds(start, size)])
+
+        start = start + (count & size)
+
+
+# Tests run the kernel on the CPU through Mosaic GPU's interpreter by setting this.
+INTERPRET = None
+
+
+def _interpret_kwargs() -> dict:
+    return {} if INTERPRET is None else {"interpret": INTERPRET}

@@ -1,0 +1,88 @@
+"""The warp-specialised Mosaic GPU grouped matmul: its tile schedule, and the kernel itself run
+on the CPU through Mosaic GPU's interpreter (the H200 runs are the `gpu` tests)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dropless.backends import mosaic_gmm
+
+
+@st.composite
+def layouts(draw):
+    tile_m = draw(st.sampled_from([8, 64, 128]))
+    sizes = draw(st.lists(st.integers(0, 300), min_size=1, max_size=12))
+    if draw(st.booleans()):  # many empty groups, or all rows in one
+        sizes = [s if draw(st.booleans()) else 0 for s in sizes]
+    tail = draw(st.integers(0, 2 * tile_m))  # rows past the last group
+    rows = -(-(sum(sizes) + tail) // tile_m) * tile_m or tile_m
+    return np.array(sizes), rows, tile_m
+
+
+@given(layouts())
+def test_schedule_covers_every_row_once_with_its_group(layout):
+    sizes, rows, tile_m = layout
+    schedule, n_items = mosaic_gmm.tile_schedule(jnp.asarray(sizes, jnp.int32), rows, tile_m)
+    group, block, first, end = np.asarray(schedule)
+    n = int(n_items[0])
+    assert n <= schedule.shape[1] == rows // tile_m + len(sizes) - 1
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    owner = np.concatenate([owner, np.full(rows - len(owner), len(sizes) - 1)])
+    covered = []
+    for i in range(n):
+        assert 0 <= first[i] < end[i] <= tile_m
+        rows_of_item = block[i] * tile_m + np.arange(first[i], end[i])
+        assert (owner[rows_of_item] == group[i]).all()
+        covered.extend(rows_of_item)
+    assert covered == list(range(rows))  # each row once, in row order
+
+
+def _interpret(monkeypatch):
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError as err:
+        pytest.skip(f"this jaxlib has no Mosaic GPU interpreter: {err}")
+    monkeypatch.setattr(mosaic_gmm, "INTERPRET", InterpretGPUParams())
+
+
+def test_kernel_equals_each_groups_matmul_in_the_interpreter(monkeypatch):
+    """Uneven groups, an empty one, a block shared by three groups, and rows that fill no
+    whole block (the last group's weights cover them). The input-gradient form (`transpose_rhs`)
+    is left to the GPU tests: the interpreter cannot run a transposed wgmma operand."""
+    _interpret(monkeypatch)
+    sizes = np.array([0, 70, 3, 0, 120])
+    rows, k, n = 200, 128, 128
+    owner = np.concatenate([np.repeat(np.arange(len(sizes)), sizes), [4] * (rows - sizes.sum())])
+    x = jax.random.normal(jax.random.key(0), (rows, k), jnp.bfloat16)
+    config = mosaic_gmm.KernelConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, band=2)
+    # Two weight sets in turn: a row the kernel forgot to store would keep whatever the
+    # interpreter's output buffer held (NaN, or the first call's result), never the right value.
+    for seed in (1, 2):
+        w = jax.random.normal(jax.random.key(seed), (len(sizes), k, n), jnp.bfloat16)
+        got = mosaic_gmm.grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), config=config)
+        want = jnp.einsum("rk,rkn->rn", x.astype(jnp.float32), w[owner].astype(jnp.float32))
+        assert got.shape == (rows, n) and got.dtype == jnp.bfloat16
+        got, want = np.asarray(got, np.float32), np.asarray(want)
+        # numpy's max, not XLA's: on the CPU XLA's max reduction skips NaN (fast min/max)
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-2  # bf16 output of f32 sums
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "transpose", "named"),
+    [(100, 256, False, "k=100 must be a multiple of 64"), (128, 200, True, "n=200")],
+)
+def test_widths_the_tiles_do_not_divide_are_named(k, n, transpose, named):
+    x = jnp.zeros((16, k), jnp.bfloat16)
+    w = jnp.zeros((2, n, k) if transpose else (2, k, n), jnp.bfloat16)
+    with pytest.raises(ValueError, match=named):
+        mosaic_gmm.grouped_matmul(x, w, jnp.array([8, 8]), transpose_rhs=transpose)
+
+
+def test_output_width_picks_the_tiles():
+    assert mosaic_gmm.config_for(2048) == mosaic_gmm.KernelConfig()
+    assert mosaic_gmm.config_for(384).tile_n == 64
+    with pytest.raises(ValueError, match="tile_m=96 must be a power of two"):
+        mosaic_gmm.KernelConfig(tile_m=96)
