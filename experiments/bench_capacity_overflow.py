@@ -55,13 +55,17 @@ def main():
     t_dense = median_time(jax.jit(dense), lhs, rhs[0], sizes)
     t_dense_fb = median_time(fwd_bwd(dense), lhs, rhs[0], sizes)
     quarter = default_chunk(m, e)  # the default chunk before it became the mean group size
-    variants = {
-        f"capacity chunk={chunk} cf={cf}": CapacityGroupedMatmul(capacity_factor=cf, chunk=chunk)
+    variants = {  # nested overflow loops (chunks_per_trip=None) unless named
+        f"capacity chunk={chunk} cf={cf}": CapacityGroupedMatmul(
+            capacity_factor=cf, chunk=chunk, chunks_per_trip=None
+        )
         for cf, chunk in [(1.25, quarter), (1.25, 128), (1.25, 256), (1.25, 512), (2.0, 256)]
     }
-    variants[f"capacity default (chunk={default_chunk(m, e, per_group=1)})"] = (
-        CapacityGroupedMatmul()
+    variants[f"capacity chunk={default_chunk(m, e, per_group=1)} (default)"] = (
+        CapacityGroupedMatmul(chunks_per_trip=None)
     )
+    auto = CapacityGroupedMatmul()
+    variants[f"capacity auto (per trip: {auto.per_trip()})"] = auto
     for per_trip in (1, 4, 16):
         variants[f"capacity default, {per_trip} chunks/trip"] = CapacityGroupedMatmul(
             chunks_per_trip=per_trip

@@ -126,11 +126,28 @@ def test_chunked_matmul_with_fewer_rows_than_a_chunk():
         np.testing.assert_allclose(a, b, **FP32)
 
 
-@pytest.mark.parametrize("bad", [0, -2, 2.5, True])
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "flat"])
 def test_chunks_per_trip_must_be_a_positive_int(bad):
     # with the tests' runtime type checks on, a float fails its annotation first
     with pytest.raises((ValueError, TypeCheckError), match=r"chunks_per_trip"):
         CapacityGroupedMatmul(chunks_per_trip=bad)
+
+
+def test_chunks_per_trip_auto_is_nested_on_the_cpu_and_flat_on_accelerators(monkeypatch):
+    import dropless.backends.jnp as jnp_backend
+
+    walks = []
+    real = jnp_backend.capacity_grouped_matmul
+    spy = lambda *args: walks.append(args[-1]) or real(*args)  # noqa: E731
+    monkeypatch.setattr(jnp_backend, "capacity_grouped_matmul", spy)
+    lhs, rhs = jnp.ones((16, 8)), jnp.ones((2, 8, 4))
+    sizes = jnp.asarray([16, 0], jnp.int32)  # expert 0 overflows its slots
+    for platform in ("cpu", "gpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda p=platform: p)
+        out = CapacityGroupedMatmul()(lhs, rhs, sizes)
+        np.testing.assert_allclose(out, 8.0)
+    assert walks == [None, 4]
+    assert CapacityGroupedMatmul(chunks_per_trip=None).per_trip() is None
 
 
 @pytest.mark.parametrize("per_trip", [None, 2])
