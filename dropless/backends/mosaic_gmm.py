@@ -226,3 +226,164 @@ INTERPRET = None
 
 def _interpret_kwargs() -> dict:
     return {} if INTERPRET is None else {"interpret": INTERPRET}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGradConfig:
+    """Tiles of the weight gradient: a thread block computes `2*tile_m x tile_n` of one
+    expert's `[k n]` gradient (one `tile_m` half per compute warpgroup), walking the expert's
+    rows `tile_k` at a time."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 3
+    band: int = 4
+
+
+def weight_grad_fits(k: int, n: int, config: WeightGradConfig | None = None) -> bool:
+    """Whether the weight-gradient tiles divide a `[k n]` weight."""
+    c = config or WeightGradConfig()
+    return k % (2 * c.tile_m) == 0 and n % c.tile_n == 0
+
+
+def grouped_weight_grad(
+    lhs: Float[Array, "rows k"],
+    grad: Float[Array, "rows n"],
+    group_sizes: Int[Array, " groups"],
+    *,
+    config: WeightGradConfig | None = None,
+) -> Float[Array, "groups k n"]:
+    """`lhs[rows of e].T @ grad[rows of e]` for every group e (zeros for an empty group), in
+    the operands' dtype with float32 accumulation. Rows past the last group are ignored."""
+    c = config or WeightGradConfig()
+    rows, k = lhs.shape
+    n = grad.shape[1]
+    for name, width, block in (("k", k, 2 * c.tile_m), ("n", n, c.tile_n)):
+        if width % block:
+            raise ValueError(
+                f"Mosaic weight gradient: width {name}={width} must be a multiple of {block}"
+            )
+    padded = -(-rows // c.tile_k) * c.tile_k
+    if padded != rows:  # whole row chunks keep every TMA load in bounds
+        lhs = jnp.pad(lhs, ((0, padded - rows), (0, 0)))
+        grad = jnp.pad(grad, ((0, padded - rows), (0, 0)))
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    bounds = jnp.stack([ends - group_sizes.astype(jnp.int32), ends]).astype(jnp.int32)
+    return _launch_weight_grad(bounds, lhs, grad, group_sizes.shape[0], c)
+
+
+def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
+    rows, k = lhs.shape
+    n = grad.shape[1]
+    dtype = lhs.dtype
+    cta_m = 2 * c.tile_m
+    m_blocks, n_blocks = k // cta_m, n // c.tile_n
+    swizzle = plgpu.find_swizzle(c.tile_k * jnp.dtype(dtype).itemsize * 8)
+    tiled = (
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+
+    def pipeline(mma, compute_context, first_chunk, n_chunks):
+        return plgpu.emit_pipeline_warp_specialized(
+            mma,
+            grid=(n_chunks,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec(
+                    (c.tile_k, cta_m), lambda r: (first_chunk + r, 0), transforms=tiled
+                ),
+                plgpu.BlockSpec(
+                    (c.tile_k, c.tile_n), lambda r: (first_chunk + r, 0), transforms=tiled
+                ),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=c.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    def body(bounds_gmem, lhs_gmem, grad_gmem, out_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
+        # A traced step count, as in the real pipelines: a static 1 would allocate one stage.
+        allocs = pipeline(ignore, ignore, 0, jnp.int32(1)).get_allocations(lhs_gmem, grad_gmem)
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=allocs,
+            out_smem=plgpu.SMEM((2, c.tile_m, c.tile_n), dtype, transforms=tiled),
+            collective_axes="wg",
+        )
+        def scope(allocs, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((n_groups * m_blocks * n_blocks,), collective_axes="sm")
+            def step(info):
+                tile, col_block = plgpu.planar_snake(
+                    info.index[0], (n_groups * m_blocks, n_blocks), 1, c.band
+                )
+                group, row_block = tile // m_blocks, tile % m_blocks
+                start, end = bounds_gmem[0, group], bounds_gmem[1, group]
+                first_chunk = start // c.tile_k
+                # An empty group still walks one chunk, all of it masked: its gradient is zero.
+                n_chunks = jnp.maximum(-(-end // c.tile_k) - first_chunk, 1)
+                wg_rows = pl.ds(wg * c.tile_m, c.tile_m)
+
+                def mma(idx, lhs_smem, grad_smem, acc):
+                    half = lhs_smem.at[:, wg_rows]
+                    row0 = (first_chunk + idx[0]) * c.tile_k
+
+                    @pl.when((row0 < start) | (row0 + c.tile_k > end))
+                    def _():  # rows of the neighbouring groups share this chunk: zero them
+                        row = row0 + plgpu.layout_cast(
+                            lax.broadcasted_iota(jnp.int32, (c.tile_k, c.tile_m), 0),
+                            plgpu.Layout.WGMMA,
+                        )
+                        keep = ((row >= start) & (row < end)).astype(dtype)
+                        half[...] = half[...] * keep
+                        plgpu.commit_smem()
+
+                    plgpu.wgmma(acc, plgpu.transpose_ref(half, (1, 0)), grad_smem)
+                    plgpu.wgmma_wait(0)
+                    return acc
+
+                def compute_context(run):
+                    @functools.partial(
+                        pl.run_scoped, acc=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32)
+                    )
+                    def _(acc):
+                        run(acc)
+                        result = acc[...].astype(dtype)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last item's store
+                        out_smem[wg] = result
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg],
+                            out_gmem.at[
+                                group,
+                                pl.ds(row_block * cta_m + wg * c.tile_m, c.tile_m),
+                                pl.ds(col_block * c.tile_n, c.tile_n),
+                            ],
+                        )
+
+                cols = pl.ds(col_block * c.tile_n, c.tile_n)
+                pipeline(mma, compute_context, first_chunk, n_chunks)(
+                    lhs_gmem.at[:, pl.ds(row_block * cta_m, cta_m)],
+                    grad_gmem.at[:, cols],
+                    allocations=allocs,
+                )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((n_groups, k, n), dtype),
+        grid=(getattr(jax.devices()[0], "core_count", None) or 4,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **_interpret_kwargs(),
+    )
+    return kernel(bounds, lhs, grad)

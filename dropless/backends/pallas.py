@@ -1,10 +1,12 @@
 """A TE-free fast grouped GEMM for Hopper GPUs, on Mosaic GPU (Pallas) kernels.
 
-Forward and input gradient: our warp-specialised kernel (`mosaic_gmm`), or with
-`row_kernels="jax"` JAX's `ragged_dot_mgpu.ragged_dot` (`transpose_rhs` for the input gradient).
-Weight gradient: JAX's `transposed_ragged_dot_mgpu.transposed_ragged_dot`. A custom VJP ties them
-together. JAX's kernels take tile sizes from a table per operation and shape (`TUNED`, filled by
-experiments/tune_pallas.py), with a default that is valid whenever widths are multiples of 128.
+`kernels="dropless"` (the default): our warp-specialised kernels (`mosaic_gmm`) for the forward,
+the input gradient and, where its tiles divide the widths, the weight gradient. `kernels="jax"`:
+JAX's `ragged_dot_mgpu.ragged_dot` (`transpose_rhs` for the input gradient) and
+`transposed_ragged_dot_mgpu.transposed_ragged_dot` (the weight gradient, also the fallback of the
+default). A custom VJP ties them together. JAX's kernels take tile sizes from a table per
+operation and shape (`TUNED`, filled by experiments/tune_pallas.py), with a default that is valid
+whenever widths are multiples of 128.
 """
 
 import dataclasses
@@ -120,10 +122,10 @@ def reference_op(op: Op, a, b, group_sizes):
     return jnp.take_along_axis(every, owner[:, None, None], axis=1)[:, 0]
 
 
-RowKernels = Literal["dropless", "jax"]
+Kernels = Literal["dropless", "jax"]
 
 
-def row_op(op: Op, a, b, group_sizes, kernels: RowKernels):
+def row_op(op: Op, a, b, group_sizes, kernels: Kernels):
     """fwd(x, w) or dgrad(g, w), one output row per input row, on the chosen kernels."""
     if op not in ("fwd", "dgrad"):
         raise ValueError(f"row_op: op={op!r} must be 'fwd' or 'dgrad'")
@@ -136,7 +138,7 @@ def row_op(op: Op, a, b, group_sizes, kernels: RowKernels):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def pallas_grouped_matmul(lhs, rhs, group_sizes, kernels: RowKernels = "dropless"):
+def pallas_grouped_matmul(lhs, rhs, group_sizes, kernels: Kernels = "dropless"):
     return row_op("fwd", lhs, rhs, group_sizes, kernels)
 
 
@@ -149,7 +151,12 @@ def _bwd(kernels, res, g):
     in_width, out_width = rhs.shape[1:]
     g = g.astype(lhs.dtype)
     dlhs = row_op("dgrad", g, rhs, group_sizes, kernels)
-    drhs = run_op("wgrad", lhs, g, group_sizes, block_config("wgrad", in_width, out_width))
+    from dropless.backends import mosaic_gmm
+
+    if kernels == "dropless" and mosaic_gmm.weight_grad_fits(in_width, out_width):
+        drhs = mosaic_gmm.grouped_weight_grad(lhs, g, group_sizes)
+    else:
+        drhs = run_op("wgrad", lhs, g, group_sizes, block_config("wgrad", in_width, out_width))
     return dlhs, drhs.astype(rhs.dtype), None
 
 
@@ -158,23 +165,22 @@ pallas_grouped_matmul.defvjp(_fwd, _bwd)
 
 class PallasGroupedMatmul(AbstractGroupedMatmul):
     """Grouped GEMM on Mosaic GPU kernels (Hopper, bf16/fp16), with an exact custom VJP.
-    `row_kernels` picks the forward and input-gradient kernels: "dropless" (ours, faster with
-    many experts) or "jax" (JAX's `ragged_dot_mgpu`, for comparison)."""
+    `kernels`: "dropless" (ours, faster with many experts) or "jax" (JAX's, for comparison)."""
 
     requires_gpu: ClassVar[bool] = True
     compute_dtype: str = eqx.field(default="bfloat16", static=True)
-    row_kernels: RowKernels = eqx.field(default="dropless", static=True)
+    kernels: Kernels = eqx.field(default="dropless", static=True)
 
     def __check_init__(self):
-        if self.row_kernels not in ("dropless", "jax"):
+        if self.kernels not in ("dropless", "jax"):
             raise ValueError(
-                f"PallasGroupedMatmul.row_kernels={self.row_kernels!r} must be 'dropless' or 'jax'"
+                f"PallasGroupedMatmul.kernels={self.kernels!r} must be 'dropless' or 'jax'"
             )
 
     def _impl(self, lhs, rhs, group_sizes):
         dt = jnp.dtype(self.compute_dtype)
         out = pallas_grouped_matmul(
-            lhs.astype(dt), rhs.astype(dt), group_sizes.astype(jnp.int32), self.row_kernels
+            lhs.astype(dt), rhs.astype(dt), group_sizes.astype(jnp.int32), self.kernels
         )
         return out.astype(lhs.dtype)
 

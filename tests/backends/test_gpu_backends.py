@@ -68,7 +68,7 @@ def gmm_strategies():
 def make_gmm(name):
     if name.startswith("pallas"):
         kernels = "jax" if name == "pallas-jax" else "dropless"
-        return load("pallas").PallasGroupedMatmul(row_kernels=kernels)
+        return load("pallas").PallasGroupedMatmul(kernels=kernels)
     te = load("te")
     return te.TEGroupedMatmul(fp8="current" if name == "te-fp8" else None)
 

@@ -74,3 +74,41 @@ def test_reference_op_is_each_groups_matmul(op):
             parts.append(x[start:end].T @ g[start:end])
     want = np.stack(parts) if op == "wgrad" else np.concatenate(parts)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kernels", "in_width", "out_width", "used"),
+    [
+        ("dropless", 512, 256, "mosaic"),
+        ("dropless", 384, 256, "jax"),  # 384: no multiple of the 2 x 128 weight-gradient rows
+        ("jax", 512, 256, "jax"),
+    ],
+)
+def test_weight_gradient_kernel_choice(monkeypatch, kernels, in_width, out_width, used):
+    """The default takes our weight-gradient kernel where its tiles divide the widths and JAX's
+    elsewhere; kernels="jax" always takes JAX's. (The kernels run on the GPU; here each is
+    replaced by the reference and the choice recorded.)"""
+    import jax
+    import jax.numpy as jnp
+
+    from dropless.backends import mosaic_gmm
+
+    calls = []
+    monkeypatch.setattr(
+        pallas, "row_op", lambda op, a, b, s, k: pallas.reference_op(op, a, b, s).astype(a.dtype)
+    )
+
+    def spy(name):
+        return lambda a, b, s, *_, **__: (
+            calls.append(name) or pallas.reference_op("wgrad", a, b, s).astype(a.dtype)
+        )
+
+    monkeypatch.setattr(mosaic_gmm, "grouped_weight_grad", spy("mosaic"))
+    monkeypatch.setattr(pallas, "run_op", lambda op, a, b, s, cfg: spy("jax")(a, b, s))
+    sizes = jnp.array([3, 0, 5])
+    x = jnp.ones((8, in_width), jnp.bfloat16)
+    w = jnp.ones((3, in_width, out_width), jnp.bfloat16)
+    loss = lambda w: pallas.pallas_grouped_matmul(x, w, sizes, kernels).astype(float).sum()  # noqa: E731
+    grad = jax.grad(loss)(w)
+    assert calls == [used]
+    assert float(grad[1].sum()) == 0 and float(grad[0, 0, 0]) == 3  # three rows of ones
