@@ -45,7 +45,7 @@ def gmm_strategies():
 
         pallas.load_kernels()
         out["pallas"] = pallas.PallasGroupedMatmul()
-        out["pallas-jax"] = pallas.PallasGroupedMatmul(row_kernels="jax")
+        out["pallas-jax"] = pallas.PallasGroupedMatmul(kernels="jax")
     except BackendUnavailableError as err:
         print("Pallas unavailable:", err)
     return out

@@ -1,4 +1,4 @@
-"""Search tile sizes for the Pallas (Mosaic GPU) grouped matmul, per operation and shape.
+"""Search tile sizes for JAX's Mosaic GPU grouped-matmul kernels, per operation and shape.
 
     python experiments/tune_pallas.py --shapes 7168x2048,2048x7168 --experts 64 --rows 512
 
@@ -7,6 +7,9 @@ wgrad x.T @ g per group), checks every tile configuration of a grid for exactnes
 empty groups (some are not), times the exact ones on balanced groups (kernel time from Mosaic
 GPU's profiler), and prints the best beside a dense matmul of equal FLOPs timed the same way.
 Ends with the entries to paste into `dropless.backends.pallas.TUNED`. Needs a Hopper GPU.
+These are JAX's kernels (`PallasGroupedMatmul(kernels="jax")`, and the default's weight gradient
+where our kernel's tiles do not divide the widths); our own kernels take their tiles from
+`dropless.backends.mosaic_gmm` (`config_for`, `WeightGradConfig`).
 """
 
 import argparse
