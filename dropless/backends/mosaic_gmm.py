@@ -14,7 +14,8 @@ JAX's `ragged_dot_mgpu` is slow with many experts:
 A row block that straddles two groups is computed once per group; each pass stores only its own
 rows, through a ladder of power-of-two TMA stores (the row count is known only at run time).
 Rows after the last group are computed with the last expert's weights: finite for finite input,
-as the grouped-matmul contract asks.
+as the grouped-matmul contract asks. The weight gradient ignores them, which is exact because
+callers ignore those rows (their output gradient is zero).
 """
 
 import dataclasses
@@ -64,7 +65,7 @@ def tile_schedule(
     n_groups = group_sizes.shape[0]
     n_blocks = -(-rows // tile_m)
     slots = n_blocks + n_groups - 1
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32)).at[-1].set(rows)
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), rows).at[-1].set(rows)
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
     first_block = starts // tile_m
     blocks = jnp.where(ends > starts, -(-ends // tile_m) - first_block, 0)
@@ -92,11 +93,9 @@ def grouped_matmul(
     rows, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     c = config or config_for(n)
-    for name, width, block in (("k", k, c.tile_k), ("n", n, 2 * c.tile_n)):
-        if width % block:
-            raise ValueError(
-                f"Mosaic grouped matmul: width {name}={width} must be a multiple of {block}"
-            )
+    _check("grouped matmul", lhs, rhs, (("k", k, c.tile_k), ("n", n, 2 * c.tile_n)))
+    if rows == 0:
+        return jnp.zeros((0, n), lhs.dtype)
     padded = -(-rows // c.tile_m) * c.tile_m
     if padded != rows:  # whole row blocks keep every TMA load in bounds
         lhs = jnp.pad(lhs, ((0, padded - rows), (0, 0)))
@@ -111,11 +110,7 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
     dtype = lhs.dtype
     cta_n = 2 * c.tile_n
     n_blocks = n // cta_n
-    swizzle = plgpu.find_swizzle(c.tile_k * jnp.dtype(dtype).itemsize * 8)
-    tiled = (
-        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-        plgpu.SwizzleTransform(swizzle),
-    )
+    tiled = _swizzled(dtype, c.tile_k)
     lhs_spec = plgpu.BlockSpec((c.tile_m, c.tile_k), lambda kk: (0, kk), transforms=tiled)
     if transpose_rhs:
         rhs_spec = plgpu.BlockSpec((cta_n, c.tile_k), lambda kk: (0, kk), transforms=tiled)
@@ -135,12 +130,12 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
         )
 
     def body(schedule_gmem, n_items_gmem, lhs_gmem, rhs_gmem, out_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-        allocs = pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0])
+        allocs = pipeline(_ignore, _ignore).get_allocations(lhs_gmem, rhs_gmem.at[0])
 
         @functools.partial(
             pl.run_scoped,
             allocs=allocs,
+            # Not swizzled: the store ladder slices it at any row, swizzling tiles rows by 8.
             out_smem=plgpu.SMEM((2, c.tile_m, c.tile_n), dtype),
             collective_axes="wg",
         )
@@ -193,9 +188,34 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = plgpu.kernel(
+    kernel = _kernel(body, (rows, n), dtype)
+    return kernel(schedule, n_items, lhs, rhs)
+
+
+def _check(what: str, a, b, rules) -> None:
+    if a.dtype != b.dtype or a.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            f"Mosaic {what}: operands must share a 16-bit float dtype, got {a.dtype} and {b.dtype}"
+        )
+    for name, width, block in rules:
+        if width % block:
+            raise ValueError(f"Mosaic {what}: width {name}={width} must be a multiple of {block}")
+
+
+def _swizzled(dtype, tile_k: int) -> tuple:
+    """Shared-memory transforms for tiles whose minor dimension is `tile_k` (or a multiple)."""
+    swizzle = plgpu.find_swizzle(tile_k * jnp.dtype(dtype).itemsize * 8)
+    return (
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+
+
+def _kernel(body, out_shape, dtype):
+    """One thread block per SM, each a memory warpgroup and two compute warpgroups ("wg")."""
+    return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((rows, n), dtype),
+        out_type=jax.ShapeDtypeStruct(out_shape, dtype),
         grid=(getattr(jax.devices()[0], "core_count", None) or 4,),
         grid_names=("sm",),
         num_threads=3,
@@ -203,7 +223,10 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **_interpret_kwargs(),
     )
-    return kernel(schedule, n_items, lhs, rhs)
+
+
+def _ignore(*_, **__):
+    """A pipeline body for `get_allocations`: allocations do not depend on the body."""
 
 
 def _store_rows(smem, gmem, first, count, tile_m: int):
@@ -259,17 +282,15 @@ def grouped_weight_grad(
     c = config or WeightGradConfig()
     rows, k = lhs.shape
     n = grad.shape[1]
-    for name, width, block in (("k", k, 2 * c.tile_m), ("n", n, c.tile_n)):
-        if width % block:
-            raise ValueError(
-                f"Mosaic weight gradient: width {name}={width} must be a multiple of {block}"
-            )
+    _check("weight gradient", lhs, grad, (("k", k, 2 * c.tile_m), ("n", n, c.tile_n)))
+    if rows == 0:
+        return jnp.zeros((group_sizes.shape[0], k, n), lhs.dtype)
     padded = -(-rows // c.tile_k) * c.tile_k
     if padded != rows:  # whole row chunks keep every TMA load in bounds
         lhs = jnp.pad(lhs, ((0, padded - rows), (0, 0)))
         grad = jnp.pad(grad, ((0, padded - rows), (0, 0)))
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    bounds = jnp.stack([ends - group_sizes.astype(jnp.int32), ends]).astype(jnp.int32)
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), rows)
+    bounds = jnp.stack([jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]]), ends])
     return _launch_weight_grad(bounds, lhs, grad, group_sizes.shape[0], c)
 
 
@@ -279,11 +300,7 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
     dtype = lhs.dtype
     cta_m = 2 * c.tile_m
     m_blocks, n_blocks = k // cta_m, n // c.tile_n
-    swizzle = plgpu.find_swizzle(c.tile_k * jnp.dtype(dtype).itemsize * 8)
-    tiled = (
-        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-        plgpu.SwizzleTransform(swizzle),
-    )
+    tiled = _swizzled(dtype, c.tile_k)
 
     def pipeline(mma, compute_context, first_chunk, n_chunks):
         return plgpu.emit_pipeline_warp_specialized(
@@ -305,9 +322,8 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
         )
 
     def body(bounds_gmem, lhs_gmem, grad_gmem, out_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
         # A traced step count, as in the real pipelines: a static 1 would allocate one stage.
-        allocs = pipeline(ignore, ignore, 0, jnp.int32(1)).get_allocations(lhs_gmem, grad_gmem)
+        allocs = pipeline(_ignore, _ignore, 0, jnp.int32(1)).get_allocations(lhs_gmem, grad_gmem)
 
         @functools.partial(
             pl.run_scoped,
@@ -325,8 +341,9 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
                 )
                 group, row_block = tile // m_blocks, tile % m_blocks
                 start, end = bounds_gmem[0, group], bounds_gmem[1, group]
-                first_chunk = start // c.tile_k
                 # An empty group still walks one chunk, all of it masked: its gradient is zero.
+                # The clamp keeps that chunk inside the array for empty groups at the end.
+                first_chunk = jnp.minimum(start // c.tile_k, rows // c.tile_k - 1)
                 n_chunks = jnp.maximum(-(-end // c.tile_k) - first_chunk, 1)
                 wg_rows = pl.ds(wg * c.tile_m, c.tile_m)
 
@@ -334,8 +351,11 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
                     half = lhs_smem.at[:, wg_rows]
                     row0 = (first_chunk + idx[0]) * c.tile_k
 
+                    # Rows of the neighbouring groups share this chunk: multiply them by zero.
+                    # (So a non-finite value in a neighbour's rows of either operand gives NaN,
+                    # as in JAX's transposed_ragged_dot; zeroing `grad` too needs a barrier.)
                     @pl.when((row0 < start) | (row0 + c.tile_k > end))
-                    def _():  # rows of the neighbouring groups share this chunk: zero them
+                    def _():
                         row = row0 + plgpu.layout_cast(
                             lax.broadcasted_iota(jnp.int32, (c.tile_k, c.tile_m), 0),
                             plgpu.Layout.WGMMA,
@@ -376,14 +396,5 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((n_groups, k, n), dtype),
-        grid=(getattr(jax.devices()[0], "core_count", None) or 4,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **_interpret_kwargs(),
-    )
+    kernel = _kernel(body, (n_groups, k, n), dtype)
     return kernel(bounds, lhs, grad)

@@ -176,8 +176,20 @@ class PallasGroupedMatmul(AbstractGroupedMatmul):
             raise ValueError(
                 f"PallasGroupedMatmul.kernels={self.kernels!r} must be 'dropless' or 'jax'"
             )
+        if self.compute_dtype not in ("bfloat16", "float16"):
+            raise ValueError(
+                f"PallasGroupedMatmul.compute_dtype={self.compute_dtype!r} must be 'bfloat16' "
+                "or 'float16' (the Mosaic kernels multiply 16-bit floats)"
+            )
 
     def _impl(self, lhs, rhs, group_sizes):
+        in_width, out_width = rhs.shape[1:]
+        if in_width % 128 or out_width % 128:
+            # Checked here, not in the backward: every kernel of both sets tiles both widths.
+            raise ValueError(
+                f"PallasGroupedMatmul: expert weights of widths [{in_width} {out_width}]: both "
+                "must be multiples of 128 (the kernels' tiles)"
+            )
         dt = jnp.dtype(self.compute_dtype)
         out = pallas_grouped_matmul(
             lhs.astype(dt), rhs.astype(dt), group_sizes.astype(jnp.int32), self.kernels

@@ -201,8 +201,9 @@ def _tiled_shapes():
 @pytest.mark.parametrize("key", _tiled_shapes(), ids=lambda k: f"{k[0]}-{k[1]}x{k[2]}")
 @pytest.mark.parametrize("kind", ["skewed", "one_expert"])
 def test_pallas_tiles_are_exact(key, kind):
-    """The tiles the backend uses for each shape (tuned or default) compute their operation
-    exactly on uneven and empty groups. (Tilings searched on balanced groups failed this.)"""
+    """The tiles of JAX's kernels (`kernels="jax"`, and the default's weight-gradient fallback)
+    for each shape, tuned or default, compute their operation exactly on uneven and empty
+    groups. (Tilings searched on balanced groups failed this.)"""
     pallas = load("pallas")
     op, k, n = key
     e, rows = 16, 1000  # a row count that fits no tile evenly
@@ -213,6 +214,38 @@ def test_pallas_tiles_are_exact(key, kind):
     g = jax.random.normal(keys[2], (rows, n), jnp.bfloat16)
     args = {"fwd": (x, w), "dgrad": (g, w), "wgrad": (x, g)}[op]
     got = pallas.run_op(op, *args, sizes, pallas.block_config(op, k, n))
+    assert rel_err(got, pallas.reference_op(op, *args, sizes)) <= BF16
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("layout", ["skewed", "one_expert", "short", "trailing_empty"])
+def test_mosaic_kernels_are_exact(op, layout):
+    """Our kernels (the default `pallas` strategy's), each alone: 1000 rows fill no whole row
+    tile; "short" leaves rows past the last group (zero input there, which the weight gradient
+    ignores); "trailing_empty" ends on empty experts with a whole number of 64-row chunks, so
+    their weight-gradient chunk would start at the end of the array without the clamp."""
+    pallas = load("pallas")
+    from dropless.backends import mosaic_gmm
+
+    e, rows, k, n = 16, 1000, 512, 256
+    if layout in ("skewed", "one_expert"):
+        sizes = group_sizes(layout, rows, e, seed=3)
+    elif layout == "short":
+        sizes = group_sizes("skewed", rows - 37, e, seed=4)
+    else:
+        rows = 1024
+        sizes = jnp.asarray([rows // 4] * 4 + [0] * (e - 4), jnp.int32)
+    keys = jax.random.split(jax.random.key(0), 3)
+    live = (jnp.arange(rows) < sizes.sum())[:, None]
+    x = jnp.where(live, jax.random.normal(keys[0], (rows, k)), 0).astype(jnp.bfloat16)
+    g = jnp.where(live, jax.random.normal(keys[2], (rows, n)), 0).astype(jnp.bfloat16)
+    w = jax.random.normal(keys[1], (e, k, n), jnp.bfloat16)
+    if op == "fwd":
+        args, got = (x, w), mosaic_gmm.grouped_matmul(x, w, sizes)
+    elif op == "dgrad":
+        args, got = (g, w), mosaic_gmm.grouped_matmul(g, w, sizes, transpose_rhs=True)
+    else:
+        args, got = (x, g), mosaic_gmm.grouped_weight_grad(x, g, sizes)
     assert rel_err(got, pallas.reference_op(op, *args, sizes)) <= BF16
 
 

@@ -54,7 +54,7 @@ def test_kernel_equals_each_groups_matmul_in_the_interpreter(monkeypatch):
     is left to the GPU tests: the interpreter cannot run a transposed wgmma operand."""
     _interpret(monkeypatch)
     sizes = np.array([0, 70, 3, 0, 120])
-    rows, k, n = 200, 128, 128
+    rows, k, n = 200, 128, 256  # two column blocks of 2 x 64
     owner = np.concatenate([np.repeat(np.arange(len(sizes)), sizes), [4] * (rows - sizes.sum())])
     x = jax.random.normal(jax.random.key(0), (rows, k), jnp.bfloat16)
     config = mosaic_gmm.KernelConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, band=2)
@@ -79,6 +79,18 @@ def test_widths_the_tiles_do_not_divide_are_named(k, n, transpose, named):
     w = jnp.zeros((2, n, k) if transpose else (2, k, n), jnp.bfloat16)
     with pytest.raises(ValueError, match=named):
         mosaic_gmm.grouped_matmul(x, w, jnp.array([8, 8]), transpose_rhs=transpose)
+
+
+def test_zero_rows_and_mixed_dtypes():
+    w = jnp.zeros((2, 128, 256), jnp.bfloat16)
+    out = mosaic_gmm.grouped_matmul(jnp.zeros((0, 128), jnp.bfloat16), w, jnp.array([0, 0]))
+    assert out.shape == (0, 256)
+    grads = mosaic_gmm.grouped_weight_grad(
+        jnp.zeros((0, 256), jnp.bfloat16), jnp.zeros((0, 128), jnp.bfloat16), jnp.array([0, 0])
+    )
+    assert grads.shape == (2, 256, 128) and not grads.any()
+    with pytest.raises(ValueError, match="share a 16-bit float dtype"):
+        mosaic_gmm.grouped_matmul(jnp.zeros((8, 128)), w, jnp.array([4, 4]))
 
 
 def test_output_width_picks_the_tiles():

@@ -112,3 +112,25 @@ def test_weight_gradient_kernel_choice(monkeypatch, kernels, in_width, out_width
     grad = jax.grad(loss)(w)
     assert calls == [used]
     assert float(grad[1].sum()) == 0 and float(grad[0, 0, 0]) == 3  # three rows of ones
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [("kernels", "triton", "kernels"), ("compute_dtype", "float32", "compute_dtype")],
+)
+def test_bad_settings_are_named(field, value, named):
+    from jaxtyping import TypeCheckError
+
+    # with the tests' runtime type checks on, a value outside a Literal fails its annotation first
+    with pytest.raises((ValueError, TypeCheckError), match=named):
+        pallas.PallasGroupedMatmul(**{field: value})
+
+
+def test_widths_are_checked_before_the_kernels():
+    """A width the backward's tiles do not divide fails in the forward, naming both widths
+    (not first under jax.grad, with the kernel's own name for the width)."""
+    import jax.numpy as jnp
+
+    gmm = pallas.PallasGroupedMatmul()
+    with pytest.raises(ValueError, match=r"widths \[192 256\].*multiples of 128"):
+        gmm(jnp.zeros((8, 192)), jnp.zeros((2, 192, 256)), jnp.array([4, 4]))
