@@ -164,24 +164,11 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
                     plgpu.wgmma_wait(0)
                     return acc
 
-                def compute_context(run):
-                    @functools.partial(
-                        pl.run_scoped, acc=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32)
-                    )
-                    def _(acc):
-                        run(acc)
-                        result = acc[...].astype(dtype)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last item's stores
-                        out_smem[wg] = result
-                        plgpu.commit_smem()
-                        _store_rows(
-                            out_smem.at[wg],
-                            out_gmem.at[pl.ds(row0, c.tile_m), cols].at[:, wg_cols],
-                            first,
-                            end - first,
-                            c.tile_m,
-                        )
+                def store(tile):
+                    rows = out_gmem.at[pl.ds(row0, c.tile_m), cols].at[:, wg_cols]
+                    _store_rows(tile, rows, first, end - first, c.tile_m)
 
+                compute_context = _epilogue(out_smem, wg, dtype, c.tile_m, c.tile_n, store)
                 pipeline(mma, compute_context)(
                     lhs_gmem.at[pl.ds(row0, c.tile_m), :], weights, allocations=allocs
                 )
@@ -223,6 +210,24 @@ def _kernel(body, out_shape, dtype):
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **_interpret_kwargs(),
     )
+
+
+def _epilogue(out_smem, wg, dtype, tile_m: int, tile_n: int, store):
+    """The compute warpgroups' side of a pipeline: run it into a float32 accumulator, then,
+    once the previous item's stores have read this warpgroup's tile `out_smem[wg]`, write the
+    result there in `dtype` and `store(out_smem.at[wg])` it to global memory."""
+
+    def compute_context(run):
+        @functools.partial(pl.run_scoped, acc=plgpu.ACC((tile_m, tile_n), jnp.float32))
+        def _(acc):
+            run(acc)
+            result = acc[...].astype(dtype)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            out_smem[wg] = result
+            plgpu.commit_smem()
+            store(out_smem.at[wg])
+
+    return compute_context
 
 
 def _ignore(*_, **__):
@@ -368,26 +373,13 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
                     plgpu.wgmma_wait(0)
                     return acc
 
-                def compute_context(run):
-                    @functools.partial(
-                        pl.run_scoped, acc=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32)
-                    )
-                    def _(acc):
-                        run(acc)
-                        result = acc[...].astype(dtype)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last item's store
-                        out_smem[wg] = result
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg],
-                            out_gmem.at[
-                                group,
-                                pl.ds(row_block * cta_m + wg * c.tile_m, c.tile_m),
-                                pl.ds(col_block * c.tile_n, c.tile_n),
-                            ],
-                        )
-
                 cols = pl.ds(col_block * c.tile_n, c.tile_n)
+
+                def store(tile):
+                    rows = pl.ds(row_block * cta_m + wg * c.tile_m, c.tile_m)
+                    plgpu.copy_smem_to_gmem(tile, out_gmem.at[group, rows, cols])
+
+                compute_context = _epilogue(out_smem, wg, dtype, c.tile_m, c.tile_n, store)
                 pipeline(mma, compute_context, first_chunk, n_chunks)(
                     lhs_gmem.at[:, pl.ds(row_block * cta_m, cta_m)],
                     grad_gmem.at[:, cols],
