@@ -165,8 +165,8 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
                     return acc
 
                 def store(tile):
-                    rows = out_gmem.at[pl.ds(row0, c.tile_m), cols].at[:, wg_cols]
-                    _store_rows(tile, rows, first, end - first, c.tile_m)
+                    dst = out_gmem.at[pl.ds(row0, c.tile_m), cols].at[:, wg_cols]
+                    _store_rows(tile, dst, first, end - first, c.tile_m)
 
                 compute_context = _epilogue(out_smem, wg, dtype, c.tile_m, c.tile_n, store)
                 pipeline(mma, compute_context)(
@@ -376,8 +376,8 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
                 cols = pl.ds(col_block * c.tile_n, c.tile_n)
 
                 def store(tile):
-                    rows = pl.ds(row_block * cta_m + wg * c.tile_m, c.tile_m)
-                    plgpu.copy_smem_to_gmem(tile, out_gmem.at[group, rows, cols])
+                    weight_rows = pl.ds(row_block * cta_m + wg * c.tile_m, c.tile_m)
+                    plgpu.copy_smem_to_gmem(tile, out_gmem.at[group, weight_rows, cols])
 
                 compute_context = _epilogue(out_smem, wg, dtype, c.tile_m, c.tile_n, store)
                 pipeline(mma, compute_context, first_chunk, n_chunks)(
