@@ -65,8 +65,8 @@ def tile_schedule(
     n_groups = group_sizes.shape[0]
     n_blocks = -(-rows // tile_m)
     slots = n_blocks + n_groups - 1
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), rows).at[-1].set(rows)
-    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
+    starts, ends = _group_bounds(group_sizes, rows)
+    ends = ends.at[-1].set(rows)
     first_block = starts // tile_m
     blocks = jnp.where(ends > starts, -(-ends // tile_m) - first_block, 0)
     items_before = jnp.cumsum(blocks)
@@ -96,10 +96,8 @@ def grouped_matmul(
     _check("grouped matmul", lhs, rhs, (("k", k, c.tile_k), ("n", n, 2 * c.tile_n)))
     if rows == 0:
         return jnp.zeros((0, n), lhs.dtype)
-    padded = -(-rows // c.tile_m) * c.tile_m
-    if padded != rows:  # whole row blocks keep every TMA load in bounds
-        lhs = jnp.pad(lhs, ((0, padded - rows), (0, 0)))
-    schedule, n_items = tile_schedule(group_sizes, padded, c.tile_m)
+    (lhs,) = _pad_rows((lhs,), c.tile_m)
+    schedule, n_items = tile_schedule(group_sizes, lhs.shape[0], c.tile_m)
     out = _launch(schedule, n_items, lhs, rhs, transpose_rhs, c)
     return out[:rows]
 
@@ -118,15 +116,8 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
         rhs_spec = plgpu.BlockSpec((c.tile_k, cta_n), lambda kk: (kk, 0), transforms=tiled)
 
     def pipeline(mma, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            mma,
-            grid=(k // c.tile_k,),
-            memory_registers=40,
-            in_specs=[lhs_spec, rhs_spec],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=c.max_concurrent_steps,
-            compute_context=compute_context,
+        return _warp_specialized(
+            mma, compute_context, k // c.tile_k, [lhs_spec, rhs_spec], c.max_concurrent_steps
         )
 
     def body(schedule_gmem, n_items_gmem, lhs_gmem, rhs_gmem, out_gmem):
@@ -177,6 +168,34 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
 
     kernel = _kernel(body, (rows, n), dtype)
     return kernel(schedule, n_items, lhs, rhs)
+
+
+def _group_bounds(group_sizes, rows: int):
+    """Each group's first row and end row, the ends clamped to `rows`."""
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), rows)
+    return jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]]), ends
+
+
+def _pad_rows(arrays, multiple: int):
+    """The arrays with zero rows appended up to a multiple of `multiple`: whole row blocks keep
+    every TMA load in bounds."""
+    rows = arrays[0].shape[0]
+    extra = -rows % multiple
+    return tuple(jnp.pad(a, ((0, extra), (0, 0))) if extra else a for a in arrays)
+
+
+def _warp_specialized(mma, compute_context, steps, in_specs, max_concurrent_steps: int):
+    """A pipeline of `steps` over `in_specs`: one memory warpgroup loads, two compute."""
+    return plgpu.emit_pipeline_warp_specialized(
+        mma,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=in_specs,
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=max_concurrent_steps,
+        compute_context=compute_context,
+    )
 
 
 def _check(what: str, a, b, rules) -> None:
@@ -290,12 +309,8 @@ def grouped_weight_grad(
     _check("weight gradient", lhs, grad, (("k", k, 2 * c.tile_m), ("n", n, c.tile_n)))
     if rows == 0:
         return jnp.zeros((group_sizes.shape[0], k, n), lhs.dtype)
-    padded = -(-rows // c.tile_k) * c.tile_k
-    if padded != rows:  # whole row chunks keep every TMA load in bounds
-        lhs = jnp.pad(lhs, ((0, padded - rows), (0, 0)))
-        grad = jnp.pad(grad, ((0, padded - rows), (0, 0)))
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), rows)
-    bounds = jnp.stack([jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]]), ends])
+    lhs, grad = _pad_rows((lhs, grad), c.tile_k)
+    bounds = jnp.stack(_group_bounds(group_sizes, rows))
     return _launch_weight_grad(bounds, lhs, grad, group_sizes.shape[0], c)
 
 
@@ -308,23 +323,12 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
     tiled = _swizzled(dtype, c.tile_k)
 
     def pipeline(mma, compute_context, first_chunk, n_chunks):
-        return plgpu.emit_pipeline_warp_specialized(
-            mma,
-            grid=(n_chunks,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec(
-                    (c.tile_k, cta_m), lambda r: (first_chunk + r, 0), transforms=tiled
-                ),
-                plgpu.BlockSpec(
-                    (c.tile_k, c.tile_n), lambda r: (first_chunk + r, 0), transforms=tiled
-                ),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=c.max_concurrent_steps,
-            compute_context=compute_context,
-        )
+        chunk = lambda r: (first_chunk + r, 0)  # noqa: E731
+        specs = [
+            plgpu.BlockSpec((c.tile_k, cta_m), chunk, transforms=tiled),
+            plgpu.BlockSpec((c.tile_k, c.tile_n), chunk, transforms=tiled),
+        ]
+        return _warp_specialized(mma, compute_context, n_chunks, specs, c.max_concurrent_steps)
 
     def body(bounds_gmem, lhs_gmem, grad_gmem, out_gmem):
         # A traced step count, as in the real pipelines: a static 1 would allocate one stage.
