@@ -7,8 +7,9 @@ its arrays.
 Names: "jnp" (the default: sort dispatch + chunked grouped matmul), "jnp-capacity" (slots per
 expert + chunked overflow: one big batched matmul, for accelerators), "ragged" (sort dispatch +
 `jax.lax.ragged_dot`), "te" and its mixes (Transformer Engine, GPU), "ep" (XLA expert
-parallelism), and "auto" ("te-gmm" on a GPU where TE imports, "jnp-capacity" on a GPU
-without it, "jnp" elsewhere).
+parallelism), and "auto" (on a Hopper GPU "pallas", with jnp-capacity for expert widths its
+kernels cannot tile; on other GPUs "te-gmm" where TE imports, else "jnp-capacity"; "jnp"
+elsewhere).
 """
 
 import functools
@@ -86,19 +87,40 @@ def _has_gpu() -> bool:
     return any(d.platform == "gpu" for d in jax.devices())
 
 
+_pallas_for_auto = _lazy("dropless.backends.pallas", "pallas_auto_backend")
+
+
+def _is_hopper() -> bool:
+    """Whether the first device is a Hopper GPU (compute capability 9.x): our Mosaic kernels'
+    warpgroup matmuls need one."""
+    device = jax.devices()[0]
+    capability = str(getattr(device, "compute_capability", ""))
+    return device.platform == "gpu" and capability.startswith("9.")
+
+
 @functools.cache
 def _auto() -> Backend:
     # Ask for TE first: it must load its CUDA libraries before JAX starts its GPU backend.
-    # "te-gmm" (TE's grouped GEMM, our sort dispatcher and router): the fastest stages whose
-    # training is checked on the H200 (docs/benchmarks.md). TE's permutation ("te-permute")
-    # has wrong gradients inside lax.scan. On a GPU without TE, "jnp-capacity": its one batched
+    # On a Hopper GPU "pallas" wins over "te-gmm" (docs/benchmarks.md): in the proxy-2b train
+    # step it is several times faster, since TE's multi-stream grouped GEMM waits on the host
+    # at every call; at DeepSeek-V3 layer dims the two are close. "te-gmm" (TE's grouped GEMM,
+    # our sort dispatcher and router) elsewhere; TE's permutation ("te-permute") has wrong
+    # gradients inside lax.scan. On a GPU without either, "jnp-capacity": its one batched
     # matmul runs at GPU speed, while the chunked loops of "jnp" wait on the host every step.
     try:
-        return BACKENDS["te-gmm"]()
+        te_gmm, te_error = BACKENDS["te-gmm"](), None
     except BackendUnavailableError as err:
-        if _has_gpu():
-            warnings.warn(f"backend 'auto': {err}; falling back to 'jnp-capacity'", stacklevel=3)
-            return _jnp_capacity()
+        te_gmm, te_error = None, err
+    if _is_hopper():
+        try:
+            return _pallas_for_auto()
+        except BackendUnavailableError as err:
+            warnings.warn(f"backend 'auto': {err}; not using 'pallas'", stacklevel=3)
+    if te_gmm is not None:
+        return te_gmm
+    if _has_gpu():
+        warnings.warn(f"backend 'auto': {te_error}; falling back to 'jnp-capacity'", stacklevel=3)
+        return _jnp_capacity()
     return _jnp()
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from dropless.backends import Backend, BackendUnavailableError
-from dropless.backends.jnp import SortDispatcher
+from dropless.backends.jnp import CapacityGroupedMatmul, SortDispatcher
 from dropless.experts import AbstractGroupedMatmul
 from dropless.routing import JnpTopK
 
@@ -165,11 +165,14 @@ pallas_grouped_matmul.defvjp(_fwd, _bwd)
 
 class PallasGroupedMatmul(AbstractGroupedMatmul):
     """Grouped GEMM on Mosaic GPU kernels (Hopper, bf16/fp16), with an exact custom VJP.
-    `kernels`: "dropless" (ours, faster with many experts) or "jax" (JAX's, for comparison)."""
+    `kernels`: "dropless" (ours, faster with many experts) or "jax" (JAX's, for comparison).
+    `fallback`: the strategy for expert widths the kernels cannot tile (not multiples of 128);
+    without one, such widths raise."""
 
     requires_gpu: ClassVar[bool] = True
     compute_dtype: str = eqx.field(default="bfloat16", static=True)
     kernels: Kernels = eqx.field(default="dropless", static=True)
+    fallback: AbstractGroupedMatmul | None = None
 
     def __check_init__(self):
         if self.kernels not in ("dropless", "jax"):
@@ -185,10 +188,13 @@ class PallasGroupedMatmul(AbstractGroupedMatmul):
     def _impl(self, lhs, rhs, group_sizes):
         in_width, out_width = rhs.shape[1:]
         if in_width % 128 or out_width % 128:
+            if self.fallback is not None:
+                return self.fallback(lhs, rhs, group_sizes)
             # Checked here, not in the backward: every kernel of both sets tiles both widths.
             raise ValueError(
                 f"PallasGroupedMatmul: expert weights of widths [{in_width} {out_width}]: both "
-                "must be multiples of 128 (the kernels' tiles)"
+                "must be multiples of 128 (the kernels' tiles); PallasGroupedMatmul(fallback=...) "
+                "sends such layers to another strategy"
             )
         dt = jnp.dtype(self.compute_dtype)
         out = pallas_grouped_matmul(
@@ -200,3 +206,10 @@ class PallasGroupedMatmul(AbstractGroupedMatmul):
 def pallas_backend() -> Backend:
     load_kernels()
     return Backend(dispatcher=SortDispatcher(), gmm=PallasGroupedMatmul(), topk=JnpTopK())
+
+
+def pallas_auto_backend() -> Backend:
+    """ "pallas" for 'auto': layers whose widths the kernels cannot tile run on jnp-capacity."""
+    load_kernels()
+    gmm = PallasGroupedMatmul(fallback=CapacityGroupedMatmul())
+    return Backend(dispatcher=SortDispatcher(), gmm=gmm, topk=JnpTopK())

@@ -174,8 +174,24 @@ def test_moe_layer_equals_oracle(backend):
     load("pallas" if backend == "pallas" else "te")
     spec = SPECS[0]
     moe = MoE(256, 128, spec, n_shared_experts=1, key=jax.random.key(0))
-    moe = with_backend(moe, backend)
-    x = jax.random.normal(jax.random.key(1), (1024, 256), jnp.bfloat16)
+    _check_layer_against_oracle(with_backend(moe, backend))
+
+
+@pytest.mark.parametrize("dims", [(256, 128), (192, 96)], ids=["tileable", "untileable"])
+def test_auto_on_hopper_is_pallas_and_matches_the_oracle(dims):
+    """'auto' on a Hopper GPU: our kernels, and jnp-capacity for widths they cannot tile."""
+    from dropless.backends import _is_hopper, get_backend
+
+    if not _is_hopper():
+        pytest.skip("not a Hopper GPU")
+    pallas = load("pallas")
+    assert type(get_backend("auto").gmm) is pallas.PallasGroupedMatmul
+    moe = MoE(*dims, SPECS[0], n_shared_experts=1, key=jax.random.key(0))
+    _check_layer_against_oracle(with_backend(moe, "auto"))
+
+
+def _check_layer_against_oracle(moe):
+    x = jax.random.normal(jax.random.key(1), (1024, moe.router.w_router.shape[1]), jnp.bfloat16)
     y = eqx.filter_jit(lambda m, x: m(x)[0])(moe, x)
     ref = eqx.filter_jit(oracle_moe)(moe, x.astype(jnp.float32))
     assert rel_err(y, ref) < BF16

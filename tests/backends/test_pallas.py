@@ -132,5 +132,68 @@ def test_widths_are_checked_before_the_kernels():
     import jax.numpy as jnp
 
     gmm = pallas.PallasGroupedMatmul()
-    with pytest.raises(ValueError, match=r"widths \[192 256\].*multiples of 128"):
+    with pytest.raises(ValueError, match=r"widths \[192 256\].*multiples of 128.*fallback"):
         gmm(jnp.zeros((8, 192)), jnp.zeros((2, 192, 256)), jnp.array([4, 4]))
+
+
+def test_widths_the_kernels_cannot_tile_go_to_the_fallback(monkeypatch):
+    """With a fallback, a layer of untileable widths runs on it (value and gradients), and the
+    kernels are never asked for; tileable widths still go to the kernels."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dropless.backends.jnp import CapacityGroupedMatmul
+
+    def no_kernels(*_):
+        raise AssertionError("the kernels were asked for")
+
+    monkeypatch.setattr(pallas, "pallas_grouped_matmul", no_kernels)
+    fallback = CapacityGroupedMatmul()
+    gmm = pallas.PallasGroupedMatmul(fallback=fallback)
+    sizes = jnp.array([5, 0, 3])
+    x = jax.random.normal(jax.random.key(0), (8, 96))
+    w = jax.random.normal(jax.random.key(1), (3, 96, 160))
+
+    def loss(strategy, x, w):
+        return (strategy(x, w, sizes) ** 2).sum()
+
+    got = jax.value_and_grad(loss, argnums=(1, 2))(gmm, x, w)
+    want = jax.value_and_grad(loss, argnums=(1, 2))(fallback, x, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(AssertionError, match="kernels were asked"):
+        gmm(jnp.zeros((8, 128)), jnp.zeros((3, 128, 256)), sizes)
+
+
+def test_auto_picks_pallas_with_a_fallback_on_hopper(monkeypatch):
+    """'auto' on a Hopper GPU is our kernels with jnp-capacity for untileable widths; where the
+    kernels do not load it warns and falls back to te-gmm (here missing) and jnp-capacity."""
+    import dropless.backends as backends
+    from dropless.backends import BackendUnavailableError
+    from dropless.backends.jnp import CapacityGroupedMatmul
+
+    def te_missing():
+        raise BackendUnavailableError("needs `pip install 'transformer-engine[jax]'`")
+
+    monkeypatch.setitem(backends.BACKENDS, "te-gmm", te_missing)
+    monkeypatch.setattr(backends, "_is_hopper", lambda: True)
+    monkeypatch.setattr(backends, "_has_gpu", lambda: True)
+    monkeypatch.setattr(pallas, "load_kernels", lambda: None)
+    backends._auto.cache_clear()
+    try:
+        chosen = backends.get_backend("auto")
+        assert type(chosen.gmm) is pallas.PallasGroupedMatmul
+        assert chosen.gmm.kernels == "dropless"
+        assert type(chosen.gmm.fallback) is CapacityGroupedMatmul
+        backends._auto.cache_clear()
+
+        def kernels_missing():
+            raise BackendUnavailableError("Mosaic GPU kernels are not importable")
+
+        monkeypatch.setattr(pallas, "load_kernels", kernels_missing)
+        with pytest.warns(UserWarning, match="not importable; not using 'pallas'"):
+            chosen = backends.get_backend("auto")
+        assert type(chosen.gmm) is CapacityGroupedMatmul
+    finally:
+        backends._auto.cache_clear()
