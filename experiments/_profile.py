@@ -54,9 +54,14 @@ def device_events(trace: dict) -> list[dict]:
 
 
 def profile(
-    run: Callable[[], object], hlo_text: str, steps: int = 2, trace_copy: pathlib.Path | None = None
+    run: Callable[[], object],
+    hlo_text: str,
+    steps: int = 2,
+    trace_copy: pathlib.Path | None = None,
+    top: int = 25,
 ) -> tuple[list[dict], list[dict]]:
-    """Profile `steps` calls of `run` (each must block); return (per-scope rows, top kernels)."""
+    """Profile `steps` calls of `run` (each must block); return (per-scope rows, the `top`
+    kernels by time)."""
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             for _ in range(steps):
@@ -86,6 +91,6 @@ def profile(
     ]
     kernels = [
         {"kernel": k, "hlo op": op, "scope": kernel_scope[(k, op)], "ms/step": t / 1e3 / steps}
-        for (k, op), t in by_kernel.most_common(25)
+        for (k, op), t in by_kernel.most_common(top)
     ]
     return scopes, kernels

@@ -7,6 +7,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 
 def median_time(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
@@ -19,6 +20,19 @@ def median_time(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def fwd_bwd(f):
+    """jit of `(a, b, *rest, cotangent) -> (loss, (d loss/da, d loss/db))` for
+    `loss = sum(f(a, b, *rest) * cotangent)`. The loss is returned and the cotangent is an
+    argument, so XLA must run the forward (a gradient alone does not need it: jax.grad of a
+    plain sum times only the backward) and cannot simplify a cotangent of ones."""
+
+    def loss(a, b, *rest):
+        *args, cotangent = rest
+        return jnp.sum(f(a, b, *args).astype(jnp.float32) * cotangent)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
 def print_table(rows: list[dict], title: str = "") -> None:

@@ -18,7 +18,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import machine, median_time
+from _timing import fwd_bwd, machine, median_time
 
 from dropless.backends.jnp import (
     CapacityGroupedMatmul,
@@ -43,17 +43,15 @@ def main():
     slots = default_capacity(m, e, 1.25)
     past = int(jnp.maximum(sizes - slots, 0).sum())
     print(f"max/mean group {float(sizes.max()) / per:.2f}, rows past {slots} slots: {past} of {m}")
-    keys = jax.random.split(jax.random.key(0), 2)
+    keys = jax.random.split(jax.random.key(0), 3)
     lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
     rhs = (jax.random.normal(keys[1], (e, k, n)) / k**0.5).astype(jnp.bfloat16)
 
-    def fwd_bwd(f):
-        loss = lambda a, b, s: jnp.sum(f(a, b, s).astype(jnp.float32))  # noqa: E731
-        return jax.jit(jax.grad(loss, argnums=(0, 1)))
+    cotangent = jax.random.normal(keys[2], (m, n), jnp.bfloat16)  # for fwd_bwd
 
     dense = lambda a, b, s: a @ b  # noqa: E731
     t_dense = median_time(jax.jit(dense), lhs, rhs[0], sizes)
-    t_dense_fb = median_time(fwd_bwd(dense), lhs, rhs[0], sizes)
+    t_dense_fb = median_time(fwd_bwd(dense), lhs, rhs[0], sizes, cotangent)
     quarter = default_chunk(m, e)  # the default chunk before it became the mean group size
     variants = {  # nested overflow loops (chunks_per_trip=None) unless named
         f"capacity chunk={chunk} cf={cf}": CapacityGroupedMatmul(
@@ -74,7 +72,7 @@ def main():
     for name, gmm in variants.items():
         f = lambda a, b, s, gmm=gmm: gmm(a, b, s)  # noqa: E731
         args = (lhs, rhs, sizes)
-        t, t_fb = median_time(jax.jit(f), *args), median_time(fwd_bwd(f), *args)
+        t, t_fb = median_time(jax.jit(f), *args), median_time(fwd_bwd(f), *args, cotangent)
         print(
             f"{name:34s} fwd/dense {t_dense / t:.3f}  fwd+bwd/dense {t_dense_fb / t_fb:.3f}"
             f"  fwd {t * 1e3:.1f} ms  fwd+bwd {t_fb * 1e3:.1f} ms",

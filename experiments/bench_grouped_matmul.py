@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import machine, median_time, print_table, write_results
+from _timing import fwd_bwd, machine, median_time, print_table, write_results
 
 from dropless.backends.jnp import (
     CapacityGroupedMatmul,
@@ -66,14 +66,10 @@ def against_dense(fn, dense_fn, args, dense_args, *, repeats: int, budget_s: flo
     return {"t": t, "dense": t_dense, "ratio": t / t_dense, "n": n}
 
 
-def fwd_bwd(f):
-    """d/d(lhs, rhs) of sum(f(lhs, rhs)): the rows' gradient and the weights' gradient."""
-    return jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b)), argnums=(0, 1)))
-
-
 def run(args) -> list[dict]:
     rows, width_in, width_out = args.rows, args.in_width, args.out_width
-    keys = jax.random.split(jax.random.key(0), 3)
+    keys = jax.random.split(jax.random.key(0), 4)
+    cotangent = jax.random.normal(keys[3], (rows, width_out), jnp.float32)  # for fwd_bwd
     lhs = jax.random.normal(keys[0], (rows, width_in), jnp.float32)
     w_dense = jax.random.normal(keys[1], (width_in, width_out), jnp.float32) / width_in**0.5
     dense = lambda a, b: a @ b  # the grouped matmul's FLOPs (2 rows in out) in one call
@@ -95,7 +91,9 @@ def run(args) -> list[dict]:
                 gmm = strategies[name]
                 f = lambda a, b, gmm=gmm, gs=gs: gmm(a, b, gs)
                 fwd = against_dense(jax.jit(f), dense_fwd, (lhs, rhs), (lhs, w_dense), **budget)
-                fb = against_dense(fwd_bwd(f), dense_fb, (lhs, rhs), (lhs, w_dense), **budget)
+                fb = against_dense(
+                    fwd_bwd(f), dense_fb, (lhs, rhs, cotangent), (lhs, w_dense, cotangent), **budget
+                )
                 outputs[name] = jax.jit(f)(lhs, rhs)
                 row = {
                     "experts": experts,

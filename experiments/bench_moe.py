@@ -16,7 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import machine, median_time, print_table, write_results
+from _timing import fwd_bwd, machine, median_time, print_table, write_results
 
 from dropless.backends import BackendUnavailableError, with_backend
 from dropless.backends.jnp import CapacityGroupedMatmul, ChunkedGroupedMatmul, RaggedDot
@@ -87,18 +87,14 @@ def bench_gmm(strategies, quick, tiny=False):
         rhs = (jax.random.normal(keys[1], (e, k, n)) / k**0.5).astype(jnp.bfloat16)
         gs = jnp.asarray(sizes_for(routing, e, m, rng), jnp.int32)
 
-        def fwd_bwd(f):
-            def loss(a, b):
-                return jnp.sum(f(a, b).astype(jnp.float32))
-
-            return jax.jit(jax.grad(loss, argnums=(0, 1)))
+        cotangent = jax.random.normal(keys[2], (m, n), jnp.bfloat16)  # for fwd_bwd
 
         # The same FLOPs in one matmul, on its own [K N] weight (differentiating b[0] of the
         # expert stack would also write a zero gradient for every other expert).
         dense = lambda a, b: a @ b  # noqa: E731
         w_dense = rhs[0]
         t_dense = median_time(jax.jit(dense), lhs, w_dense)
-        t_dense_fb = median_time(fwd_bwd(dense), lhs, w_dense)
+        t_dense_fb = median_time(fwd_bwd(dense), lhs, w_dense, cotangent)
         flops = 2 * m * k * n
         for name, gmm in strategies.items():
             if name in ("ragged_dot", "jnp-chunked") and e > 8 and not tiny:
@@ -106,7 +102,7 @@ def bench_gmm(strategies, quick, tiny=False):
             else:
                 f = lambda a, b, gmm=gmm, gs=gs: gmm(a, b, gs)  # noqa: E731
                 fwd = time_or_status(jax.jit(f), lhs, rhs)
-                bwd = time_or_status(fwd_bwd(f), lhs, rhs)
+                bwd = time_or_status(fwd_bwd(f), lhs, rhs, cotangent)
             rows_out.append(
                 {
                     "experts": e,

@@ -33,7 +33,7 @@ def flops_per_token(config, seq: int) -> float:
     return 6 * matmul_params + 3 * layers * attention
 
 
-def bench(config, backend, batch, seq, steps, profile_to=None):
+def bench(config, backend, batch, seq, steps, profile_to=None, profile_top=25):
     """Median step time and last loss; with `profile_to`, also print where the time goes."""
     model = DeepSeekV3(config, backend=backend, key=jax.random.key(0))
     state = init_state(model, TrainConfig(steps=1000, warmup_steps=10))
@@ -54,7 +54,9 @@ def bench(config, backend, batch, seq, steps, profile_to=None):
             state, metrics = train_step(state, tokens)
             jax.block_until_ready(metrics["loss"])
 
-        scopes, kernels = _profile.profile(run, hlo, trace_copy=profile_to.with_suffix(".json.gz"))
+        scopes, kernels = _profile.profile(
+            run, hlo, trace_copy=profile_to.with_suffix(".json.gz"), top=profile_top
+        )
         print_table(scopes, f"{backend}: device time per step by scope")
         print_table(kernels, f"{backend}: top kernels")
         write_results(profile_to.parent, profile_to.name, scopes + kernels, {"backend": backend})
@@ -73,6 +75,7 @@ def main():
     parser.add_argument("--remat", default="none")
     parser.add_argument("--attention-impl", default="xla", choices=("xla", "cudnn"))
     parser.add_argument("--profile", action="store_true", help="print device time per scope")
+    parser.add_argument("--profile-top", type=int, default=25, help="kernels listed by --profile")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_train"))
     args = parser.parse_args()
     names = args.backends.split(",")
@@ -104,7 +107,9 @@ def main():
     for name in names:
         try:
             profile_to = args.out / f"profile_{args.preset}_{name}" if args.profile else None
-            t, loss = bench(config, name, args.batch, args.seq, args.steps, profile_to)
+            t, loss = bench(
+                config, name, args.batch, args.seq, args.steps, profile_to, args.profile_top
+            )
         except BackendUnavailableError as err:
             rows.append({"backend": name, "status": f"unavailable: {err}"[:100]})
             continue

@@ -279,13 +279,14 @@ def _interpret_kwargs() -> dict:
 class WeightGradConfig:
     """Tiles of the weight gradient: a thread block computes `2*tile_m x tile_n` of one
     expert's `[k n]` gradient (one `tile_m` half per compute warpgroup), walking the expert's
-    rows `tile_k` at a time."""
+    rows `tile_k` at a time. `band` as in `KernelConfig`: 16 was the fastest of 4 / 8 / 16 on
+    an H200 at DeepSeek-V3 widths, most with 256 small experts (docs/benchmarks.md)."""
 
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = 64
     max_concurrent_steps: int = 3
-    band: int = 4
+    band: int = 16
 
 
 def weight_grad_fits(k: int, n: int, config: WeightGradConfig | None = None) -> bool:
