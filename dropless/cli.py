@@ -120,8 +120,8 @@ class TrainCommand:
     """YAML file with sections `preset`, `backend`, `model`, `train` (e.g. a run's
     config.yaml); flags override it."""
     backend: Literal[_BACKEND_NAMES] = "auto"  # type: ignore[valid-type]
-    """MoE backend: 'auto' (te-gmm on a GPU where TE imports, jnp-capacity on a GPU without
-    it, else jnp), 'jnp', 'ragged', 'te', ..."""
+    """MoE backend: 'auto' (pallas on a Hopper GPU, te-gmm on other GPUs where TE imports,
+    jnp-capacity on a GPU without it, else jnp), 'jnp', 'ragged', 'te', ..."""
     out_dir: str | None = None
     """Output directory (default: runs/<preset>-<date>-<time>); --resume needs it."""
     set: tuple[str, ...] = ()
