@@ -74,6 +74,7 @@ def main():
     parser.add_argument("--compute-dtype", default="bfloat16")
     parser.add_argument("--remat", default="none")
     parser.add_argument("--attention-impl", default="xla", choices=("xla", "cudnn"))
+    parser.add_argument("--unroll-layers", action="store_true", help="unroll the layer scan")
     parser.add_argument("--profile", action="store_true", help="print device time per scope")
     parser.add_argument("--profile-top", type=int, default=25, help="kernels listed by --profile")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_train"))
@@ -90,6 +91,7 @@ def main():
         args.preset,
         compute_dtype=args.compute_dtype,
         remat=args.remat,
+        unroll_layers=args.unroll_layers,
         attention_impl=args.attention_impl,
     )
     per_token = flops_per_token(config, args.seq)
@@ -100,6 +102,7 @@ def main():
         "batch": args.batch,
         "seq": args.seq,
         "remat": args.remat,
+        "unroll_layers": args.unroll_layers,
         "attention": args.attention_impl,
     }
     print(meta, f"model GFLOP/token {per_token / 1e9:.2f}")
@@ -130,6 +133,7 @@ def main():
         print_table(rows[-1:])
     print_table(rows, f"{args.preset}, batch {args.batch} x {args.seq}, {config.compute_dtype}")
     tag = f"{args.preset}_b{args.batch}_{args.remat}_{args.attention_impl}"
+    tag += "_unrolled" if args.unroll_layers else ""
     write_results(args.out, f"train_{tag}", rows, meta)
 
 

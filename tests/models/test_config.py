@@ -116,6 +116,14 @@ def test_choices(field, value):
         tiny(**{field: value})
 
 
+def test_unroll_layers_must_be_a_bool():
+    from jaxtyping import TypeCheckError
+
+    # with the tests' runtime type checks on, the annotation may fail first; both name the field
+    with pytest.raises((ValueError, TypeCheckError), match="unroll_layers"):
+        tiny(unroll_layers="yes")
+
+
 def test_routed_scaling_positive():
     with pytest.raises(ValueError, match=r"routed_scaling_factor \(0.0\) must be > 0"):
         tiny(routed_scaling_factor=0.0)

@@ -17,7 +17,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("xla", "cudnn")
 
 # Settings that are dropless's own (not in a Hugging Face config.json).
-DROPLESS_FIELDS = ("param_dtype", "compute_dtype", "remat", "attention_impl")
+DROPLESS_FIELDS = ("param_dtype", "compute_dtype", "remat", "attention_impl", "unroll_layers")
 
 # A `model_type: deepseek_v2` config.json leaves these at DeepSeek-V2's defaults, not V3's.
 _V2_DEFAULTS: dict[str, Any] = {
@@ -41,8 +41,9 @@ class DeepSeekV3Config:
     The first `first_k_dense_replace` layers are dense SwiGLU (`intermediate_size`), the rest MoE.
     dropless settings: `param_dtype`/`compute_dtype` ("float32" | "bfloat16"; bf16 compute casts
     weights at use, norms, softmax and routing stay float32), `remat` ("none" | "full" | "dots" |
-    "dots_no_batch", a `jax.checkpoint` policy per scanned layer) and `attention_impl` ("xla"
-    einsum attention, or "cudnn" fused attention on NVIDIA GPUs).
+    "dots_no_batch", a `jax.checkpoint` policy per scanned layer), `attention_impl` ("xla"
+    einsum attention, or "cudnn" fused attention on NVIDIA GPUs) and `unroll_layers` (unroll the
+    scan over layers: no stacking of per-layer residuals and gradients, longer compiles).
     Training knobs (loss weights, bias update rate) live in `dropless.train.TrainConfig`.
     """
 
@@ -81,6 +82,7 @@ class DeepSeekV3Config:
     compute_dtype: str = "float32"
     remat: str = "none"
     attention_impl: str = "xla"
+    unroll_layers: bool = False
 
     def __post_init__(self):
         if self.rope_scaling is not None:  # a private copy: the caller's dict may change later
@@ -235,6 +237,8 @@ def _validate(c: DeepSeekV3Config) -> None:
     ):
         if getattr(c, name) not in allowed:
             _fail(f"{name} ({getattr(c, name)!r}) must be one of {allowed}")
+    if not isinstance(c.unroll_layers, bool):
+        _fail(f"unroll_layers ({c.unroll_layers!r}) must be True or False")
 
 
 def _validate_routing(c: DeepSeekV3Config) -> None:

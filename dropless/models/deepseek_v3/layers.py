@@ -88,9 +88,14 @@ def unstack(stack: eqx.Module, i: int) -> eqx.Module:
 
 
 def scan_blocks(
-    stack: DecoderBlock | None, x: Float[Array, "batch seq dim"], remat: str = "none"
+    stack: DecoderBlock | None,
+    x: Float[Array, "batch seq dim"],
+    remat: str = "none",
+    unroll: bool = False,
 ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
-    """Applies the stacked blocks in order; MoE stats come back with a leading `layers` axis."""
+    """Applies the stacked blocks in order; MoE stats come back with a leading `layers` axis.
+    `unroll` emits every layer inline instead of a loop: per-layer residuals and gradients are
+    then separate buffers rather than slices written into and read from stacks."""
     if stack is None:
         return x, None
     arrays, static = eqx.partition(stack, eqx.is_array)
@@ -101,4 +106,4 @@ def scan_blocks(
     if REMAT[remat] is not None:
         # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE.
         body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
-    return jax.lax.scan(body, x, arrays)
+    return jax.lax.scan(body, x, arrays, unroll=unroll)

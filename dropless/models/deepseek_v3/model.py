@@ -102,9 +102,9 @@ class DeepSeekV3(eqx.Module):
         compute dtype. (Tests differentiate through this to check causality.)"""
         c = self.config
         with jax.named_scope("dense_layers"):
-            h, _ = scan_blocks(self.dense_layers, emb, c.remat)
+            h, _ = scan_blocks(self.dense_layers, emb, c.remat, c.unroll_layers)
         with jax.named_scope("moe_layers"):
-            h, stats = scan_blocks(self.moe_layers, h, c.remat)
+            h, stats = scan_blocks(self.moe_layers, h, c.remat, c.unroll_layers)
         with jax.named_scope("head"):
             h = self.norm(h)
             logits = self.head(h)
