@@ -65,6 +65,7 @@ MODEL_HELP = {
     "compute_dtype": "Compute dtype: 'float32' or 'bfloat16'.",
     "remat": "Rematerialisation per layer: 'none', 'full', 'dots', 'dots_no_batch'.",
     "attention_impl": "Attention: 'xla' (anywhere) or 'cudnn' (NVIDIA GPUs).",
+    "unroll_layers": "Unroll the scan over layers: faster steps on a GPU, longer compiles.",
 }
 
 _PRESET_NAMES = tuple(PRESETS)
