@@ -209,7 +209,7 @@ def pallas_backend() -> Backend:
 
 
 def pallas_auto_backend() -> Backend:
-    """ "pallas" for 'auto': layers whose widths the kernels cannot tile run on jnp-capacity."""
+    """The "pallas" bundle of 'auto': widths the kernels cannot tile run on jnp-capacity."""
     load_kernels()
     gmm = PallasGroupedMatmul(fallback=CapacityGroupedMatmul())
     return Backend(dispatcher=SortDispatcher(), gmm=gmm, topk=JnpTopK())
