@@ -41,6 +41,10 @@ class KernelConfig:
     tile_k: int = 64
     max_concurrent_steps: int = 3
     band: int = 4
+    # Chain the row blocks' pipelines: the memory warpgroup loads the next block while the
+    # compute warpgroups finish and store this one, so no bubble between blocks. JAX allows it
+    # only when `max_concurrent_steps` divides the steps (`k / tile_k`).
+    chain: bool = False
 
     def __post_init__(self):
         if self.tile_m & (self.tile_m - 1):
@@ -115,9 +119,16 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
     else:
         rhs_spec = plgpu.BlockSpec((c.tile_k, cta_n), lambda kk: (kk, 0), transforms=tiled)
 
-    def pipeline(mma, compute_context):
+    steps = k // c.tile_k
+    if c.chain and steps % c.max_concurrent_steps:
+        raise ValueError(
+            f"Mosaic grouped matmul: chain=True needs max_concurrent_steps="
+            f"{c.max_concurrent_steps} to divide the k / tile_k = {steps} steps"
+        )
+
+    def pipeline(mma, compute_context, state=None):
         return _warp_specialized(
-            mma, compute_context, k // c.tile_k, [lhs_spec, rhs_spec], c.max_concurrent_steps
+            mma, compute_context, steps, [lhs_spec, rhs_spec], c.max_concurrent_steps, state
         )
 
     def body(schedule_gmem, n_items_gmem, lhs_gmem, rhs_gmem, out_gmem):
@@ -160,9 +171,12 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
                     _store_rows(tile, dst, first, end - first, c.tile_m)
 
                 compute_context = _epilogue(out_smem, wg, dtype, c.tile_m, c.tile_n, store)
-                pipeline(mma, compute_context)(
-                    lhs_gmem.at[pl.ds(row0, c.tile_m), :], weights, allocations=allocs
-                )
+                refs = (lhs_gmem.at[pl.ds(row0, c.tile_m), :], weights)
+                if c.chain:
+                    make = functools.partial(pipeline, mma, compute_context)
+                    _run_chained(make, info, *refs, allocations=allocs)
+                else:
+                    pipeline(mma, compute_context)(*refs, allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -184,8 +198,9 @@ def _pad_rows(arrays, multiple: int):
     return tuple(jnp.pad(a, ((0, extra), (0, 0))) if extra else a for a in arrays)
 
 
-def _warp_specialized(mma, compute_context, steps, in_specs, max_concurrent_steps: int):
-    """A pipeline of `steps` over `in_specs`: one memory warpgroup loads, two compute."""
+def _warp_specialized(mma, compute_context, steps, in_specs, max_concurrent_steps: int, state=None):
+    """A pipeline of `steps` over `in_specs`: one memory warpgroup loads, two compute.
+    `state`: this pipeline's place in a chain of them (`_chain_state`), or None."""
     return plgpu.emit_pipeline_warp_specialized(
         mma,
         grid=(steps,),
@@ -195,7 +210,29 @@ def _warp_specialized(mma, compute_context, steps, in_specs, max_concurrent_step
         num_compute_wgs=2,
         max_concurrent_steps=max_concurrent_steps,
         compute_context=compute_context,
+        pipeline_state=state,
     )
+
+
+def _run_chained(make_pipeline, info, *refs, allocations) -> None:
+    """Run this thread block's `info.local_index`-th pipeline as a link of the chain of all
+    its pipelines (the first starts it, the last stops it); a block with a single pipeline
+    runs it unchained, since one pipeline cannot both start and stop a chain."""
+    states = plgpu.PipelinePipeline
+    last = info.num_local_steps - 1
+    state = jnp.where(
+        info.local_index == 0,
+        jnp.int32(states.START),
+        jnp.where(info.local_index == last, jnp.int32(states.STOP), jnp.int32(states.STEADY)),
+    )
+
+    @pl.when(last == 0)
+    def _():
+        make_pipeline(None)(*refs, allocations=allocations)
+
+    @pl.when(last > 0)
+    def _():
+        make_pipeline(state)(*refs, allocations=allocations)
 
 
 def _check(what: str, a, b, rules) -> None:

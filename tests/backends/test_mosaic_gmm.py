@@ -48,15 +48,19 @@ def _interpret(monkeypatch):
     monkeypatch.setattr(mosaic_gmm, "INTERPRET", InterpretGPUParams())
 
 
-def test_kernel_equals_each_groups_matmul_in_the_interpreter(monkeypatch):
+@pytest.mark.parametrize("chain", [False, True])
+def test_kernel_equals_each_groups_matmul_in_the_interpreter(monkeypatch, chain):
     """Uneven groups, an empty one, a block shared by three groups, and rows that fill no
     whole block (the last group's weights cover them). The input-gradient form (`transpose_rhs`)
-    is left to the GPU tests: the interpreter cannot run a transposed wgmma operand."""
+    is left to the GPU tests: the interpreter cannot run a transposed wgmma operand.
+    With `chain`, the interpreter's 4 thread blocks each chain two or three pipelines."""
     _interpret(monkeypatch)
     sizes = np.array([0, 70, 3, 0, 120])
     rows, k, n = 200, 128, 256  # two column blocks of 2 x 64
     x = jax.random.normal(jax.random.key(0), (rows, k), jnp.bfloat16)
-    config = mosaic_gmm.KernelConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, band=2)
+    config = mosaic_gmm.KernelConfig(
+        tile_m=64, tile_n=64, max_concurrent_steps=2, band=2, chain=chain
+    )
     # Two weight sets in turn: a row the kernel forgot to store would keep whatever the
     # interpreter's output buffer held (NaN, or the first call's result), never the right value.
     for seed in (1, 2):
@@ -68,6 +72,28 @@ def test_kernel_equals_each_groups_matmul_in_the_interpreter(monkeypatch):
         got, want = np.asarray(got, np.float32), np.asarray(want)
         # numpy's max, not XLA's: on the CPU XLA's max reduction skips NaN (fast min/max)
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-2  # bf16 output of f32 sums
+
+
+def test_a_single_chained_pipeline_runs_unchained(monkeypatch):
+    """One row block and one column block: one thread block has a single pipeline, which
+    must both start and stop the chain (the others have none)."""
+    _interpret(monkeypatch)
+    x = jax.random.normal(jax.random.key(0), (64, 128), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (2, 128, 128), jnp.bfloat16)
+    gs = jnp.asarray([40, 24], jnp.int32)
+    config = mosaic_gmm.KernelConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, chain=True)
+    got = np.asarray(mosaic_gmm.grouped_matmul(x, w, gs, config=config), np.float32)
+    want = np.asarray(pallas.reference_op("fwd", x, w, gs))
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-2
+
+
+def test_chain_needs_the_stages_to_divide_the_steps():
+    config = mosaic_gmm.KernelConfig(max_concurrent_steps=3, chain=True)
+    w = jnp.zeros((2, 256, 256), jnp.bfloat16)  # k / tile_k = 4 steps
+    with pytest.raises(ValueError, match="max_concurrent_steps=3 to divide the k / tile_k = 4"):
+        mosaic_gmm.grouped_matmul(
+            jnp.zeros((16, 256), jnp.bfloat16), w, jnp.array([8, 8]), config=config
+        )
 
 
 @pytest.mark.parametrize(

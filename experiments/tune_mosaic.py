@@ -1,0 +1,194 @@
+"""Search tile settings for our Mosaic GPU grouped-matmul kernels (`dropless.backends.mosaic_gmm`).
+
+    python experiments/tune_mosaic.py [--cases 7168x2048@8x2048,...] [--ops fwd,dgrad,wgrad]
+
+For each forward shape [K -> N], each layout (experts x mean rows per expert) and each routing
+(balanced, Dirichlet(1)), times every candidate setting of the three kernels (fwd `x @ w`,
+dgrad `g @ w.T`, wgrad `x.T @ g` per group) against a dense matmul of equal FLOPs timed in the
+same run (ratio > 1: faster than dense). Each candidate is first checked against
+`pallas.reference_op` on uneven groups with empty ones; an inexact candidate is reported and
+not timed. Ends with the best candidate per (op, K, N, rows per expert), by the mean of its
+ratios over the routings, beside the default's. Needs a Hopper GPU. Writes JSON + CSV to --out.
+"""
+
+import argparse
+import dataclasses
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _timing import machine, median_time, print_table, write_results
+
+from dropless.backends import mosaic_gmm, pallas
+
+KC, WC = mosaic_gmm.KernelConfig, mosaic_gmm.WeightGradConfig
+ROW_CANDIDATES = {  # fwd and dgrad: rows x (2 x columns) per thread block, stages, band
+    "128x2x128 s3 b4": KC(),
+    "128x2x128 s3 b8": KC(band=8),
+    "128x2x64 s4 b8": KC(tile_n=64, max_concurrent_steps=4, band=8),
+    "chain 128x2x128 s2 b4": KC(max_concurrent_steps=2, chain=True),
+    "chain 128x2x128 s2 b8": KC(max_concurrent_steps=2, band=8, chain=True),
+    "chain 128x2x64 s4 b8": KC(tile_n=64, max_concurrent_steps=4, band=8, chain=True),
+    "chain 128x2x64 s4 b16": KC(tile_n=64, max_concurrent_steps=4, band=16, chain=True),
+}
+WGRAD_CANDIDATES = {  # (2 x rows) x columns of the weight per thread block, rows per chunk
+    "2x128x128 k64 s3 b16": WC(),
+    "2x128x128 k64 s3 b8": WC(band=8),
+    "2x128x128 k64 s2 b16": WC(max_concurrent_steps=2),
+    "2x128x128 k32 s4 b16": WC(tile_k=32, max_concurrent_steps=4),
+}
+# DeepSeek-V3's expert widths at bench_moe.py's layouts and the proxy-2b preset's (64 experts,
+# top-6 of 16,384 tokens: 1536 rows per expert), most wanted first (see --budget)
+CASES = ",".join(
+    [f"{w}@{e}" for e in ("8x2048", "256x256") for w in ("7168x2048", "2048x7168")]
+    + ["1024x512@64x1536", "512x1024@64x1536", "7168x2048@64x512", "2048x7168@64x512"]
+)
+DEFAULTS = {"fwd": "128x2x128 s3 b4", "dgrad": "128x2x128 s3 b4", "wgrad": "2x128x128 k64 s3 b16"}
+
+
+def applies(op: str, config, k: int, n: int) -> bool:
+    """Whether a candidate's tiles divide the widths (and its chain divides the steps)."""
+    if op == "wgrad":
+        return mosaic_gmm.weight_grad_fits(k, n, config)
+    contract, width = (k, n) if op == "fwd" else (n, k)
+    steps = contract // config.tile_k
+    chained = not config.chain or steps % config.max_concurrent_steps == 0
+    return contract % config.tile_k == 0 and width % (2 * config.tile_n) == 0 and chained
+
+
+def kernel(op: str, config):
+    if op == "wgrad":
+        return lambda a, b, s: mosaic_gmm.grouped_weight_grad(a, b, s, config=config)
+    t = op == "dgrad"
+    return lambda a, b, s: mosaic_gmm.grouped_matmul(a, b, s, transpose_rhs=t, config=config)
+
+
+def operands(op: str, x, w, g):
+    return {"fwd": (x, w), "dgrad": (g, w), "wgrad": (x, g)}[op]
+
+
+def is_exact(op: str, config, k: int = 512, n: int = 1024) -> float:
+    """Relative error against the float32 reference on uneven groups, empty ones included
+    (at widths every candidate divides: the settings, not the widths, decide exactness)."""
+    rng = np.random.default_rng(0)
+    sizes = rng.multinomial(900, rng.dirichlet(np.ones(12)))
+    sizes[[2, 7]] = 0
+    gs = jnp.asarray(sizes, jnp.int32)
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(keys[0], (900, k), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (12, k, n)) / k**0.5).astype(jnp.bfloat16)
+    g = jax.random.normal(keys[2], (900, n), jnp.bfloat16)
+    a, b = operands(op, x, w, g)
+    got = jax.jit(kernel(op, config))(a, b, gs).astype(jnp.float32)
+    want = pallas.reference_op(op, a, b, gs)
+    if op != "wgrad":  # rows past the groups are unspecified
+        got, want = got[: int(sizes.sum())], want[: int(sizes.sum())]
+    return float(jnp.abs(got - want).max() / jnp.abs(want).max())
+
+
+def dense(op: str):
+    return {"fwd": lambda a, b: a @ b[0], "dgrad": lambda a, b: a @ b[0].T, "wgrad": None}[op]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--cases", default=CASES, help="comma-separated KxN@EXPERTSxROWS (rows per expert)"
+    )
+    parser.add_argument("--ops", default="fwd,dgrad,wgrad")
+    parser.add_argument("--budget", type=float, default=1e9, help="seconds; stops after a case")
+    parser.add_argument("--out", default="results/tune_mosaic")
+    args = parser.parse_args()
+    start = time.time()
+    print(machine(), flush=True)
+    ops = args.ops.split(",")
+    cases = [
+        tuple(int(v) for part in case.split("@") for v in part.split("x"))
+        for case in args.cases.split(",")
+    ]
+    checked: dict[tuple[str, str], float] = {}  # relative error of each (op, candidate)
+    rows = []
+    for k, n, e, per in cases:
+        if time.time() - start > args.budget:
+            print(f"budget of {args.budget:.0f} s spent: stopping before {k}x{n} {e}x{per}")
+            break
+        m = e * per
+        rng = np.random.default_rng(e)
+        keys = jax.random.split(jax.random.key(k + n + e), 3)
+        x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        w = (jax.random.normal(keys[1], (e, k, n)) / k**0.5).astype(jnp.bfloat16)
+        g = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+        for routing in ("balanced", "dirichlet"):
+            sizes = (
+                np.full(e, per)
+                if routing == "balanced"
+                else rng.multinomial(m, rng.dirichlet(np.ones(e)))
+            )
+            gs = jnp.asarray(sizes, jnp.int32)
+            for op in ops:
+                a, b = operands(op, x, w, g)
+                ref = dense(op) or (lambda a, b: a.T @ b)
+                t_dense = median_time(jax.jit(ref), a, b)
+                candidates = WGRAD_CANDIDATES if op == "wgrad" else ROW_CANDIDATES
+                for name, config in candidates.items():
+                    if not applies(op, config, k, n):
+                        continue
+                    if (op, name) not in checked:
+                        err = checked[op, name] = is_exact(op, config)
+                        if not err < 1e-2:
+                            print(f"INEXACT {op} {name}: rel err {err:.2e}", flush=True)
+                    if not checked[op, name] < 1e-2:
+                        continue
+                    t = median_time(jax.jit(kernel(op, config)), a, b, gs)
+                    rows.append(
+                        {
+                            "op": op,
+                            "K x N": f"{k}x{n}",
+                            "experts x rows": f"{e}x{per}",
+                            "routing": routing,
+                            "candidate": name,
+                            "kernel / dense": t_dense / t,
+                            "kernel ms": t * 1e3,
+                            "dense TFLOP/s": 2 * m * k * n / t_dense / 1e12,
+                        }
+                    )
+                    print(
+                        f"{op:5s} {k}x{n} {e}x{per} {routing:9s} {name:24s} "
+                        f"{t_dense / t:.3f}  ({t * 1e3:.2f} ms)",
+                        flush=True,
+                    )
+    best = summarise(rows)
+    print_table(best, "Best candidate per (op, K x N, experts x rows), mean over routings")
+    write_results(pathlib.Path(args.out), "tune_mosaic", rows, {"machine": machine()})
+    write_results(pathlib.Path(args.out), "tune_mosaic_best", best, {"machine": machine()})
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    by_case: dict[tuple, dict[str, list[float]]] = {}
+    for r in rows:
+        case = (r["op"], r["K x N"], r["experts x rows"])
+        by_case.setdefault(case, {}).setdefault(r["candidate"], []).append(r["kernel / dense"])
+    out = []
+    for (op, shape, layout), results in by_case.items():
+        means = {name: float(np.mean(v)) for name, v in results.items()}
+        name = max(means, key=means.get)
+        out.append(
+            {
+                "op": op,
+                "K x N": shape,
+                "experts x rows": layout,
+                "best": name,
+                "best / dense": means[name],
+                "default / dense": means.get(DEFAULTS[op], float("nan")),
+                "config": dataclasses.asdict(
+                    (WGRAD_CANDIDATES if op == "wgrad" else ROW_CANDIDATES)[name]
+                ),
+            }
+        )
+    return out
+
+
+if __name__ == "__main__":
+    main()
