@@ -122,7 +122,7 @@ def dense(op: str):
     return {"fwd": lambda a, b: a @ b[0], "dgrad": lambda a, b: a @ b[0].T, "wgrad": None}[op]
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--cases", default=CASES, help="comma-separated KxN@EXPERTSxROWS (rows per expert)"
@@ -133,7 +133,7 @@ def main():
     parser.add_argument("--candidates", default="", help="'|'-separated name parts to keep")
     parser.add_argument("--budget", type=float, default=1e9, help="seconds; stops after a case")
     parser.add_argument("--out", default="results/tune_mosaic")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     start = time.time()
     print(machine(), flush=True)
     ops = args.ops.split(",")

@@ -129,3 +129,48 @@ def test_tile_search_rejects_inexact_tilings(tmp_path, monkeypatch, capsys):
     chosen = {pallas.BlockConfig(**{f: e[f] for f in fields}) for e in entries}
     assert chosen == {pallas.BlockConfig()}
     assert capsys.readouterr().out.count("inexact on uneven groups, rejected") == 2
+
+
+def test_mosaic_tile_search_rejects_inexact_settings(tmp_path, monkeypatch, capsys):
+    """tune_mosaic's search, with our kernels replaced by the reference (and one setting made
+    wrong): the wrong setting is reported, never timed, and never chosen."""
+    import sys
+    import time
+
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    sys.modules.pop("tune_mosaic", None)
+    import tune_mosaic
+
+    from dropless.backends import mosaic_gmm, pallas
+
+    wrong = mosaic_gmm.KernelConfig(band=2)
+
+    def grouped_matmul(a, b, group_sizes, *, transpose_rhs=False, config=None):
+        out = pallas.reference_op("dgrad" if transpose_rhs else "fwd", a, b, group_sizes)
+        return (out * 1.5 if config == wrong else out).astype(a.dtype)
+
+    def grouped_weight_grad(a, b, group_sizes, *, config=None):
+        return pallas.reference_op("wgrad", a, b, group_sizes).astype(a.dtype)
+
+    def kernel_time(fn, *args):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        return time.perf_counter() - start
+
+    monkeypatch.setattr(mosaic_gmm, "grouped_matmul", grouped_matmul)
+    monkeypatch.setattr(mosaic_gmm, "grouped_weight_grad", grouped_weight_grad)
+    monkeypatch.setattr(tune_mosaic, "kernel_time", kernel_time)
+    rows = {"default": mosaic_gmm.KernelConfig(), "wrong": wrong}
+    monkeypatch.setattr(tune_mosaic, "ROW_CANDIDATES", rows)
+    monkeypatch.setattr(tune_mosaic, "WGRAD_CANDIDATES", {"default": mosaic_gmm.WeightGradConfig()})
+    monkeypatch.setattr(
+        tune_mosaic, "DEFAULTS", dict.fromkeys(("fwd", "dgrad", "wgrad"), "default")
+    )
+    argv = ["--cases", "256x256@4x64", "--ops", "fwd,wgrad", "--repeats", "1"]
+    tune_mosaic.main([*argv, "--out", str(tmp_path)])
+    assert "INEXACT fwd wrong" in capsys.readouterr().out
+    timed = json.loads((tmp_path / "tune_mosaic.json").read_text())["rows"]
+    assert {(r["op"], r["candidate"]) for r in timed} == {("fwd", "default"), ("wgrad", "default")}
+    assert len(timed) == 4  # two ops, balanced and Dirichlet
+    best = json.loads((tmp_path / "tune_mosaic_best.json").read_text())["rows"]
+    assert [(r["op"], r["best"]) for r in best] == [("fwd", "default"), ("wgrad", "default")]

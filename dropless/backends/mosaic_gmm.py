@@ -200,7 +200,7 @@ def _pad_rows(arrays, multiple: int):
 
 def _warp_specialized(mma, compute_context, steps, in_specs, max_concurrent_steps: int, state=None):
     """A pipeline of `steps` over `in_specs`: one memory warpgroup loads, two compute.
-    `state`: this pipeline's place in a chain of them (`_chain_state`), or None."""
+    `state`: this pipeline's place in a chain of them (`_run_chained`), or None."""
     return plgpu.emit_pipeline_warp_specialized(
         mma,
         grid=(steps,),
