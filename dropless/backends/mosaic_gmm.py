@@ -75,7 +75,10 @@ def tile_schedule(
     blocks = jnp.where(ends > starts, -(-ends // tile_m) - first_block, 0)
     items_before = jnp.cumsum(blocks)
     item = jnp.arange(slots, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(items_before, item, side="right"), n_groups - 1)
+    # compare_all: one elementwise kernel, where the default method is a loop of log2(groups)
+    # trips, each a few small kernels on a GPU
+    owner = jnp.searchsorted(items_before, item, side="right", method="compare_all")
+    group = jnp.minimum(owner, n_groups - 1)
     block = first_block[group] + item - (items_before[group] - blocks[group])
     block_row = block * tile_m
     first = jnp.clip(starts[group] - block_row, 0, tile_m)
