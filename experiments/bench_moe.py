@@ -4,12 +4,15 @@
 
 Every ratio is against a dense reference timed in the same run: grouped GEMM throughput over a
 dense matmul of equal FLOPs (>1 is faster than dense), and MoE layer time over a dense SwiGLU of
-the same active FLOPs (<1 is faster than dense). Strategies that do not load or run out of memory
-are reported as such. Writes JSON + CSV + PNG to --out.
+the same active FLOPs (<1 is faster than dense). The grouped GEMM's reference and strategies are
+timed in interleaved rounds (--rounds): each ratio is of medians over the rounds, and "fwd+bwd
+spread" is (slowest - fastest) / median of a strategy's rounds. Strategies that do not load or run
+out of memory are reported as such. Writes JSON + CSV + PNG to --out.
 """
 
 import argparse
 import pathlib
+import statistics
 
 import _profile
 import equinox as eqx
@@ -69,7 +72,7 @@ def time_or_status(fn, *args):
         )
 
 
-def bench_gmm(strategies, quick, tiny=False):
+def bench_gmm(strategies, quick, tiny=False, rounds=3):
     rows_out = []
     rng = np.random.default_rng(0)
     shapes = [(8, 2048), (64, 512), (256, 256)]
@@ -92,17 +95,25 @@ def bench_gmm(strategies, quick, tiny=False):
         # The same FLOPs in one matmul, on its own [K N] weight (differentiating b[0] of the
         # expert stack would also write a zero gradient for every other expert).
         dense = lambda a, b: a @ b  # noqa: E731
-        w_dense = rhs[0]
-        t_dense = median_time(jax.jit(dense), lhs, w_dense)
-        t_dense_fb = median_time(fwd_bwd(dense), lhs, w_dense, cotangent)
-        flops = 2 * m * k * n
+        timed = {"dense": (jax.jit(dense), fwd_bwd(dense), (lhs, rhs[0]))}
+        skipped = {}
         for name, gmm in strategies.items():
             if name in ("ragged_dot", "jnp-chunked") and e > 8 and not tiny:
-                fwd = bwd = "skipped (slow; see the 8-expert rows)"
-            else:
-                f = lambda a, b, gmm=gmm, gs=gs: gmm(a, b, gs)  # noqa: E731
-                fwd = time_or_status(jax.jit(f), lhs, rhs)
-                bwd = time_or_status(fwd_bwd(f), lhs, rhs, cotangent)
+                skipped[name] = "skipped (slow; see the 8-expert rows)"
+                continue
+            f = lambda a, b, gmm=gmm, gs=gs: gmm(a, b, gs)  # noqa: E731
+            timed[name] = (jax.jit(f), fwd_bwd(f), (lhs, rhs))
+        # Rounds of every function in turn: a slow spell of the GPU (clocks, a neighbour)
+        # then lands on the dense reference and the strategies alike, not on one of them.
+        times = {name: ([], []) for name in timed}
+        for _ in range(rounds):
+            for name, (fwd, fb, args) in timed.items():
+                times[name][0].append(time_or_status(fwd, *args))
+                times[name][1].append(time_or_status(fb, *args, cotangent))
+        t_dense, t_dense_fb = (statistics.median(t) for t in times.pop("dense"))
+        flops = 2 * m * k * n
+        for name in strategies:
+            fwd, bwd = (skipped[name],) * 2 if name in skipped else map(_summary, times[name])
             rows_out.append(
                 {
                     "experts": e,
@@ -113,11 +124,25 @@ def bench_gmm(strategies, quick, tiny=False):
                     "fwd TFLOP/s": flops / fwd / 1e12 if isinstance(fwd, float) else fwd,
                     "fwd / dense": t_dense / fwd if isinstance(fwd, float) else fwd,
                     "fwd+bwd / dense": t_dense_fb / bwd if isinstance(bwd, float) else bwd,
+                    "fwd+bwd spread": _spread(times[name][1]) if name in times else "",
                     "dense TFLOP/s": flops / t_dense / 1e12,
                 }
             )
         print_table(rows_out[-len(strategies) :])
     return rows_out
+
+
+def _summary(times: list):
+    """The median of a strategy's round times, or its status (OOM, error) if any round had one."""
+    status = next((t for t in times if not isinstance(t, float)), None)
+    return status if status is not None else statistics.median(times)
+
+
+def _spread(times: list) -> float | str:
+    """(slowest - fastest) / median over the rounds."""
+    if not all(isinstance(t, float) for t in times):
+        return ""
+    return (max(times) - min(times)) / statistics.median(times)
 
 
 LAYER_BACKENDS = "jnp,jnp-capacity,te,te-gmm,pallas,ragged"
@@ -232,7 +257,7 @@ def plot(rows, out):
     fig.savefig(out / "bench_moe_gmm.png", dpi=120)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_moe"))
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
@@ -247,16 +272,19 @@ def main():
         help="MoE layer: time per scope (kernels inside CUDA command buffers land in 'other'; "
         "XLA_FLAGS=--xla_gpu_enable_command_buffer= turns those off)",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="grouped GEMM: interleaved timing rounds"
+    )
     parser.add_argument("--skip-gmm", action="store_true")
     parser.add_argument("--skip-layer", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     strategies = gmm_strategies()  # loads TE before JAX starts its GPU backend (cuDNN order)
     if args.strategies:
         strategies = {k: v for k, v in strategies.items() if k in args.strategies.split(",")}
     meta = {"machine": machine(), "command": "python experiments/bench_moe.py"}
     print(meta["machine"])
     if not args.skip_gmm:
-        gmm_rows = bench_gmm(strategies, args.quick, args.tiny)
+        gmm_rows = bench_gmm(strategies, args.quick, args.tiny, args.rounds)
         write_results(args.out, "grouped_matmul", gmm_rows, meta)
         plot(gmm_rows, args.out)
     if not args.skip_layer:

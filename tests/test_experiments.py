@@ -174,3 +174,15 @@ def test_mosaic_tile_search_rejects_inexact_settings(tmp_path, monkeypatch, caps
     assert len(timed) == 4  # two ops, balanced and Dirichlet
     best = json.loads((tmp_path / "tune_mosaic_best.json").read_text())["rows"]
     assert [(r["op"], r["best"]) for r in best] == [("fwd", "default"), ("wgrad", "default")]
+
+
+def test_grouped_gemm_benchmark_times_in_rounds(tmp_path, monkeypatch):
+    """bench_moe.py's grouped-GEMM table on toy shapes (its CPU smoke run), in two rounds."""
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))  # its helpers, _timing and _profile
+    argv = ["--tiny", "--quick", "--skip-layer", "--strategies", "jnp-capacity", "--rounds", "2"]
+    load("bench_moe").main([*argv, "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "grouped_matmul.json").read_text())["rows"]
+    assert len(rows) == 4  # two layouts x balanced / Dirichlet, one width order (--quick)
+    for row in rows:
+        assert row["strategy"] == "jnp-capacity"
+        assert row["fwd+bwd / dense"] > 0 and row["fwd+bwd spread"] >= 0
