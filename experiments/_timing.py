@@ -22,6 +22,16 @@ def median_time(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def kernel_time(fn, *args, iterations: int = 5) -> float:
+    """Median GPU time of fn(*args)'s kernels in seconds over `iterations` calls (CUPTI, via
+    Mosaic GPU's profiler): launch gaps and host work left out, which wall-clock timing of
+    ~1 ms calls lets in. Needs a GPU."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, times = profiler.measure(fn, iterations=iterations)(*args)
+    return statistics.median(times) / 1e3
+
+
 def fwd_bwd(f):
     """jit of `(a, b, *rest, cotangent) -> (loss, (d loss/da, d loss/db))` for
     `loss = sum(f(a, b, *rest) * cotangent)`. The loss is returned and the cotangent is an

@@ -19,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import machine, median_time, print_table, write_results
+from _timing import kernel_time, machine, median_time, print_table, write_results
 
 from dropless.backends import mosaic_gmm, pallas
 
@@ -51,13 +51,10 @@ DEFAULTS = {"fwd": "128x2x128 s3 b4", "dgrad": "128x2x128 s3 b4", "wgrad": "2x12
 
 
 def applies(op: str, config, k: int, n: int) -> bool:
-    """Whether a candidate's tiles divide the widths (and its chain divides the steps)."""
+    """Whether a candidate can run `op` of a forward [K -> N] (tiles, stages, chain)."""
     if op == "wgrad":
         return mosaic_gmm.weight_grad_fits(k, n, config)
-    contract, width = (k, n) if op == "fwd" else (n, k)
-    steps = contract // config.tile_k
-    chained = not config.chain or steps % config.max_concurrent_steps == 0
-    return contract % config.tile_k == 0 and width % (2 * config.tile_n) == 0 and chained
+    return mosaic_gmm.matmul_fits(*((k, n) if op == "fwd" else (n, k)), config)
 
 
 def kernel(op: str, config):
@@ -109,17 +106,13 @@ def wall_time(fn, *args) -> float:
     return median_time(fn, *args, repeats=5)
 
 
-def kernel_time(fn, *args) -> float:
-    """Median GPU time of fn's kernels over 5 calls (CUPTI, via Mosaic GPU's profiler): launch
-    gaps and host work left out, which wall-clock timing of ~1 ms calls lets in."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    _, times = profiler.measure(fn, iterations=5)(*args)
-    return float(np.median(times)) / 1e3
-
-
 def dense(op: str):
-    return {"fwd": lambda a, b: a @ b[0], "dgrad": lambda a, b: a @ b[0].T, "wgrad": None}[op]
+    """The dense matmul of equal FLOPs, on the operands of `op`."""
+    return {
+        "fwd": lambda a, b: a @ b[0],
+        "dgrad": lambda a, b: a @ b[0].T,
+        "wgrad": lambda a, b: a.T @ b,
+    }[op]
 
 
 def main(argv=None):
@@ -163,7 +156,7 @@ def main(argv=None):
             gs = jnp.asarray(sizes, jnp.int32)
             for op in ops:
                 a, b = operands(op, x, w, g)
-                timed = {"dense": jax.jit(dense(op) or (lambda a, b: a.T @ b))}
+                timed = {"dense": jax.jit(dense(op))}
                 candidates = WGRAD_CANDIDATES if op == "wgrad" else ROW_CANDIDATES
                 for name, config in candidates.items():
                     if not applies(op, config, k, n) or not wanted(name, args.candidates):

@@ -87,6 +87,17 @@ def tile_schedule(
     return schedule, items_before[-1:].astype(jnp.int32)
 
 
+def matmul_fits(k: int, n: int, config: KernelConfig | None = None) -> bool:
+    """Whether `grouped_matmul` with these settings runs a contraction over `k` into `n`
+    columns: the tiles divide both widths and, chained, the stages divide the steps."""
+    c = config or config_for(n)
+    return k % c.tile_k == 0 and n % (2 * c.tile_n) == 0 and _chain_fits(k // c.tile_k, c)
+
+
+def _chain_fits(steps: int, c: KernelConfig) -> bool:
+    return not c.chain or steps % c.max_concurrent_steps == 0
+
+
 def grouped_matmul(
     lhs: Float[Array, "rows k"],
     rhs: Float[Array, "groups _ _"],
@@ -123,7 +134,7 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
         rhs_spec = plgpu.BlockSpec((c.tile_k, cta_n), lambda kk: (kk, 0), transforms=tiled)
 
     steps = k // c.tile_k
-    if c.chain and steps % c.max_concurrent_steps:
+    if not _chain_fits(steps, c):
         raise ValueError(
             f"Mosaic grouped matmul: chain=True needs max_concurrent_steps="
             f"{c.max_concurrent_steps} to divide the k / tile_k = {steps} steps"

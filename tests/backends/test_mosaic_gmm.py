@@ -87,6 +87,15 @@ def test_a_single_chained_pipeline_runs_unchained(monkeypatch):
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-2
 
 
+def test_matmul_fits_says_which_widths_and_chains_run():
+    chained = mosaic_gmm.KernelConfig(max_concurrent_steps=3, chain=True)
+    assert mosaic_gmm.matmul_fits(7168, 2048)
+    assert not mosaic_gmm.matmul_fits(100, 256)  # k: 64-row steps
+    assert not mosaic_gmm.matmul_fits(256, 384, mosaic_gmm.KernelConfig())  # n: 2 x 128 columns
+    assert not mosaic_gmm.matmul_fits(256, 256, chained)  # 4 steps, 3 stages
+    assert mosaic_gmm.matmul_fits(192, 256, chained)  # 3 steps
+
+
 def test_chain_needs_the_stages_to_divide_the_steps():
     config = mosaic_gmm.KernelConfig(max_concurrent_steps=3, chain=True)
     w = jnp.zeros((2, 256, 256), jnp.bfloat16)  # k / tile_k = 4 steps
