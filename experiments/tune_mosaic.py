@@ -40,6 +40,12 @@ WGRAD_CANDIDATES = {  # (2 x rows) x columns of the weight per thread block, row
     "2x128x128 k64 s3 b8": WC(band=8),
     "2x128x128 k64 s2 b16": WC(max_concurrent_steps=2),
     "2x128x128 k64 s3 b32": WC(band=32),
+    # one pipeline per run of experts (about this many 64-row chunks each), not per expert
+    "seg16 2x128x128 k64 s3 b16": WC(segment_steps=16),
+    "seg32 2x128x128 k64 s3 b16": WC(segment_steps=32),
+    "seg64 2x128x128 k64 s3 b16": WC(segment_steps=64),
+    "seg128 2x128x128 k64 s3 b16": WC(segment_steps=128),
+    "seg64 2x128x128 k64 s3 b8": WC(segment_steps=64, band=8),
 }
 # DeepSeek-V3's expert widths at bench_moe.py's layouts and the proxy-2b preset's (64 experts,
 # top-6 of 16,384 tokens: 1536 rows per expert), most wanted first (see --budget)

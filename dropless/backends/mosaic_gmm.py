@@ -328,16 +328,28 @@ def _interpret_kwargs() -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class WeightGradConfig:
-    """Tiles of the weight gradient: a thread block computes `2*tile_m x tile_n` of one
-    expert's `[k n]` gradient (one `tile_m` half per compute warpgroup), walking the expert's
-    rows `tile_k` at a time. `band` as in `KernelConfig`: 16 was the fastest of 4 / 8 / 16 on
-    an H200 at DeepSeek-V3 widths, most with 256 small experts (docs/benchmarks.md)."""
+    """Tiles of the weight gradient: a thread block computes `2*tile_m x tile_n` of a `[k n]`
+    gradient (one `tile_m` half per compute warpgroup), walking rows `tile_k` at a time. `band`
+    as in `KernelConfig`: 16 was the fastest of 4 / 8 / 16 on an H200 at DeepSeek-V3 widths,
+    most with 256 small experts (docs/benchmarks.md).
+
+    `segment_steps`: a thread block walks the rows of a run of consecutive experts (a segment of
+    about this many `tile_k` chunks) in one pipeline, storing each expert's tile when its rows
+    end; so a small expert costs no pipeline fill and drain of its own. None: one pipeline per
+    expert and tile."""
 
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = 64
     max_concurrent_steps: int = 3
     band: int = 16
+    segment_steps: int | None = None
+
+    def __post_init__(self):
+        if self.segment_steps is not None and self.segment_steps < 1:
+            raise ValueError(
+                f"WeightGradConfig.segment_steps={self.segment_steps} must be None or >= 1"
+            )
 
 
 def weight_grad_fits(k: int, n: int, config: WeightGradConfig | None = None) -> bool:
@@ -362,8 +374,53 @@ def grouped_weight_grad(
     if rows == 0:
         return jnp.zeros((group_sizes.shape[0], k, n), lhs.dtype)
     lhs, grad = _pad_rows((lhs, grad), c.tile_k)
+    if c.segment_steps is not None:
+        segments = _segment_count(lhs.shape[0], group_sizes.shape[0], c)
+        schedule, seg_items = chunk_schedule(group_sizes, lhs.shape[0], c.tile_k, segments)
+        return _launch_segmented_weight_grad(
+            schedule, seg_items, lhs, grad, group_sizes.shape[0], c
+        )
     bounds = jnp.stack(_group_bounds(group_sizes, rows))
     return _launch_weight_grad(bounds, lhs, grad, group_sizes.shape[0], c)
+
+
+def _segment_count(rows: int, n_groups: int, c: WeightGradConfig) -> int:
+    slots = rows // c.tile_k + n_groups - 1
+    return max(1, min(n_groups, slots // c.segment_steps))
+
+
+def chunk_schedule(
+    group_sizes: Int[Array, " groups"], rows: int, tile_k: int, segments: int
+) -> tuple[Int[Array, "5 slots"], Int[Array, " segments_plus_1"]]:
+    """The weight gradient's work items in row order, `tile_k` rows at a time: (group, chunk,
+    first row, end row, last), the rows as offsets within the chunk and `last` = 1 on a group's
+    final item. An empty group gets one item with no rows (its gradient is zero); rows past the
+    groups get none. Also the first item of each of `segments` runs of whole groups, split where
+    the rows are about even, and the item count at the end. `slots` = chunks + groups - 1."""
+    n_groups = group_sizes.shape[0]
+    n_chunks = rows // tile_k
+    slots = n_chunks + n_groups - 1
+    starts, ends = _group_bounds(group_sizes, rows)
+    filled = ends > starts
+    first_chunk = jnp.minimum(starts // tile_k, n_chunks - 1)
+    chunks = jnp.where(filled, -(-ends // tile_k) - starts // tile_k, 1)
+    items_before = jnp.cumsum(chunks)
+    item = jnp.arange(slots, dtype=jnp.int32)
+    owner = jnp.searchsorted(items_before, item, side="right", method="compare_all")
+    group = jnp.minimum(owner, n_groups - 1)
+    within = item - (items_before[group] - chunks[group])
+    chunk = jnp.minimum(first_chunk[group] + within, n_chunks - 1)
+    chunk_row = chunk * tile_k
+    first = jnp.where(filled[group], jnp.clip(starts[group] - chunk_row, 0, tile_k), 0)
+    end = jnp.where(filled[group], jnp.clip(ends[group] - chunk_row, 0, tile_k), 0)
+    last = (within == chunks[group] - 1) & (owner < n_groups)
+    schedule = jnp.stack([group, chunk, first, end, last]).astype(jnp.int32)
+    # A segment starts at the first group that starts at or past its share of the rows.
+    share = ends[-1] * jnp.arange(segments + 1) // segments
+    first_group = jnp.searchsorted(starts, share, side="left", method="compare_all")
+    first_group = first_group.at[0].set(0).at[-1].set(n_groups)
+    items_from = jnp.concatenate([jnp.zeros(1, items_before.dtype), items_before])
+    return schedule, items_from[first_group].astype(jnp.int32)
 
 
 def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
@@ -411,20 +468,7 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
                 def mma(idx, lhs_smem, grad_smem, acc):
                     half = lhs_smem.at[:, wg_rows]
                     row0 = (first_chunk + idx[0]) * c.tile_k
-
-                    # Rows of the neighbouring groups share this chunk: multiply them by zero.
-                    # (So a non-finite value in a neighbour's rows of either operand gives NaN,
-                    # as in JAX's transposed_ragged_dot; zeroing `grad` too needs a barrier.)
-                    @pl.when((row0 < start) | (row0 + c.tile_k > end))
-                    def _():
-                        row = row0 + plgpu.layout_cast(
-                            lax.broadcasted_iota(jnp.int32, (c.tile_k, c.tile_m), 0),
-                            plgpu.Layout.WGMMA,
-                        )
-                        keep = ((row >= start) & (row < end)).astype(dtype)
-                        half[...] = half[...] * keep
-                        plgpu.commit_smem()
-
+                    _mask_rows(half, start - row0, end - row0, c.tile_k, c.tile_m, dtype)
                     plgpu.wgmma(acc, plgpu.transpose_ref(half, (1, 0)), grad_smem)
                     plgpu.wgmma_wait(0)
                     return acc
@@ -446,3 +490,106 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
 
     kernel = _kernel(body, (n_groups, k, n), dtype)
     return kernel(bounds, lhs, grad)
+
+
+def _launch_segmented_weight_grad(schedule, seg_items, lhs, grad, n_groups, c: WeightGradConfig):
+    """`grouped_weight_grad` with a pipeline per (segment, output tile) over the segment's
+    items: the accumulator is stored and cleared at each group's last item."""
+    rows, k = lhs.shape
+    n = grad.shape[1]
+    dtype = lhs.dtype
+    segments = seg_items.shape[0] - 1
+    cta_m = 2 * c.tile_m
+    m_blocks, n_blocks = k // cta_m, n // c.tile_n
+    tiled = _swizzled(dtype, c.tile_k)
+
+    def body(schedule_gmem, seg_gmem, lhs_gmem, grad_gmem, out_gmem):
+        def pipeline(mma, compute_context, first_item, n_steps):
+            at_chunk = lambda r: (schedule_gmem[1, first_item + r], 0)  # noqa: E731
+            specs = [
+                plgpu.BlockSpec((c.tile_k, cta_m), at_chunk, transforms=tiled),
+                plgpu.BlockSpec((c.tile_k, c.tile_n), at_chunk, transforms=tiled),
+            ]
+            return _warp_specialized(mma, compute_context, n_steps, specs, c.max_concurrent_steps)
+
+        # A traced step count, as in the real pipelines: a static 1 would allocate one stage.
+        allocs = pipeline(_ignore, _ignore, 0, jnp.int32(1)).get_allocations(lhs_gmem, grad_gmem)
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=allocs,
+            out_smem=plgpu.SMEM((2, c.tile_m, c.tile_n), dtype, transforms=tiled),
+            collective_axes="wg",
+        )
+        def scope(allocs, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((segments * m_blocks * n_blocks,), collective_axes="sm")
+            def step(info):
+                tile, col_block = plgpu.planar_snake(
+                    info.index[0], (segments * m_blocks, n_blocks), 1, c.band
+                )
+                segment, row_block = tile // m_blocks, tile % m_blocks
+                first_item = seg_gmem[segment]
+                n_steps = seg_gmem[segment + 1] - first_item
+                wg_rows = pl.ds(wg * c.tile_m, c.tile_m)
+                cols = pl.ds(col_block * c.tile_n, c.tile_n)
+                weight_rows = pl.ds(row_block * cta_m + wg * c.tile_m, c.tile_m)
+
+                def mma(idx, lhs_smem, grad_smem, acc):
+                    item = first_item + idx[0]
+                    group = schedule_gmem[0, item]
+                    first, end = schedule_gmem[2, item], schedule_gmem[3, item]
+                    half = lhs_smem.at[:, wg_rows]
+                    _mask_rows(half, first, end, c.tile_k, c.tile_m, dtype)
+                    plgpu.wgmma(acc, plgpu.transpose_ref(half, (1, 0)), grad_smem)
+                    plgpu.wgmma_wait(0)
+
+                    @pl.when(schedule_gmem[4, item] != 0)
+                    def _():
+                        result = acc[...].astype(dtype)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_smem[wg] = result
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg], out_gmem.at[group, weight_rows, cols]
+                        )
+                        acc[...] = jnp.zeros((c.tile_m, c.tile_n), jnp.float32)
+
+                    return acc
+
+                def compute_context(run):
+                    @functools.partial(
+                        pl.run_scoped, acc=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32)
+                    )
+                    def _(acc):
+                        run(acc)
+
+                @pl.when(n_steps > 0)
+                def _():
+                    pipeline(mma, compute_context, first_item, n_steps)(
+                        lhs_gmem.at[:, pl.ds(row_block * cta_m, cta_m)],
+                        grad_gmem.at[:, cols],
+                        allocations=allocs,
+                    )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = _kernel(body, (n_groups, k, n), dtype)
+    return kernel(schedule, seg_items, lhs, grad)
+
+
+def _mask_rows(half, first, end, tile_k: int, tile_m: int, dtype) -> None:
+    """Zero the rows of a `[tile_k tile_m]` shared-memory chunk outside [first, end): they
+    belong to neighbouring groups. (So a non-finite value in a neighbour's rows of the other
+    operand gives NaN, as in JAX's transposed_ragged_dot; zeroing that one too needs a
+    barrier.)"""
+
+    @pl.when((first > 0) | (end < tile_k))
+    def _():
+        row = plgpu.layout_cast(
+            lax.broadcasted_iota(jnp.int32, (tile_k, tile_m), 0), plgpu.Layout.WGMMA
+        )
+        keep = ((row >= first) & (row < end)).astype(dtype)
+        half[...] = half[...] * keep
+        plgpu.commit_smem()
