@@ -376,51 +376,27 @@ def grouped_weight_grad(
     lhs, grad = _pad_rows((lhs, grad), c.tile_k)
     if c.segment_steps is not None:
         segments = _segment_count(lhs.shape[0], group_sizes.shape[0], c)
-        schedule, seg_items = chunk_schedule(group_sizes, lhs.shape[0], c.tile_k, segments)
-        return _launch_segmented_weight_grad(
-            schedule, seg_items, lhs, grad, group_sizes.shape[0], c
-        )
+        first_groups = expert_segments(group_sizes, rows, segments)
+        bounds = jnp.stack(_group_bounds(group_sizes, rows))
+        return _launch_segmented_weight_grad(bounds, first_groups, lhs, grad, c)
     bounds = jnp.stack(_group_bounds(group_sizes, rows))
     return _launch_weight_grad(bounds, lhs, grad, group_sizes.shape[0], c)
 
 
 def _segment_count(rows: int, n_groups: int, c: WeightGradConfig) -> int:
-    slots = rows // c.tile_k + n_groups - 1
-    return max(1, min(n_groups, slots // c.segment_steps))
+    return max(1, min(n_groups, rows // c.tile_k // c.segment_steps))
 
 
-def chunk_schedule(
-    group_sizes: Int[Array, " groups"], rows: int, tile_k: int, segments: int
-) -> tuple[Int[Array, "5 slots"], Int[Array, " segments_plus_1"]]:
-    """The weight gradient's work items in row order, `tile_k` rows at a time: (group, chunk,
-    first row, end row, last), the rows as offsets within the chunk and `last` = 1 on a group's
-    final item. An empty group gets one item with no rows (its gradient is zero); rows past the
-    groups get none. Also the first item of each of `segments` runs of whole groups, split where
-    the rows are about even, and the item count at the end. `slots` = chunks + groups - 1."""
-    n_groups = group_sizes.shape[0]
-    n_chunks = rows // tile_k
-    slots = n_chunks + n_groups - 1
+def expert_segments(
+    group_sizes: Int[Array, " groups"], rows: int, segments: int
+) -> Int[Array, " segments_plus_1"]:
+    """The first group of each of `segments` runs of consecutive groups, and the group count at
+    the end: a run starts at the first group that starts at or past its share of the rows, so
+    the runs hold about even rows (a group larger than a share leaves some runs empty)."""
     starts, ends = _group_bounds(group_sizes, rows)
-    filled = ends > starts
-    first_chunk = jnp.minimum(starts // tile_k, n_chunks - 1)
-    chunks = jnp.where(filled, -(-ends // tile_k) - starts // tile_k, 1)
-    items_before = jnp.cumsum(chunks)
-    item = jnp.arange(slots, dtype=jnp.int32)
-    owner = jnp.searchsorted(items_before, item, side="right", method="compare_all")
-    group = jnp.minimum(owner, n_groups - 1)
-    within = item - (items_before[group] - chunks[group])
-    chunk = jnp.minimum(first_chunk[group] + within, n_chunks - 1)
-    chunk_row = chunk * tile_k
-    first = jnp.where(filled[group], jnp.clip(starts[group] - chunk_row, 0, tile_k), 0)
-    end = jnp.where(filled[group], jnp.clip(ends[group] - chunk_row, 0, tile_k), 0)
-    last = (within == chunks[group] - 1) & (owner < n_groups)
-    schedule = jnp.stack([group, chunk, first, end, last]).astype(jnp.int32)
-    # A segment starts at the first group that starts at or past its share of the rows.
     share = ends[-1] * jnp.arange(segments + 1) // segments
-    first_group = jnp.searchsorted(starts, share, side="left", method="compare_all")
-    first_group = first_group.at[0].set(0).at[-1].set(n_groups)
-    items_from = jnp.concatenate([jnp.zeros(1, items_before.dtype), items_before])
-    return schedule, items_from[first_group].astype(jnp.int32)
+    first = jnp.searchsorted(starts, share, side="left", method="compare_all")
+    return first.at[0].set(0).at[-1].set(group_sizes.shape[0]).astype(jnp.int32)
 
 
 def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
@@ -492,26 +468,30 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
     return kernel(bounds, lhs, grad)
 
 
-def _launch_segmented_weight_grad(schedule, seg_items, lhs, grad, n_groups, c: WeightGradConfig):
-    """`grouped_weight_grad` with a pipeline per (segment, output tile) over the segment's
-    items: the accumulator is stored and cleared at each group's last item."""
+def _launch_segmented_weight_grad(bounds, first_groups, lhs, grad, c: WeightGradConfig):
+    """`grouped_weight_grad` with one pipeline per (run of groups, output tile) over the run's
+    `tile_k`-row chunks. A chunk inside the current group is multiplied as it is; a chunk
+    where groups end is multiplied once per group, masked to its rows (from a register copy),
+    and each group that ends there has its tile stored and the accumulator cleared."""
     rows, k = lhs.shape
     n = grad.shape[1]
+    n_groups = bounds.shape[1]
+    n_chunks = rows // c.tile_k
     dtype = lhs.dtype
-    segments = seg_items.shape[0] - 1
+    segments = first_groups.shape[0] - 1
     cta_m = 2 * c.tile_m
     m_blocks, n_blocks = k // cta_m, n // c.tile_n
     tiled = _swizzled(dtype, c.tile_k)
 
-    def body(schedule_gmem, seg_gmem, lhs_gmem, grad_gmem, out_gmem):
-        def pipeline(mma, compute_context, first_item, n_steps):
-            at_chunk = lambda r: (schedule_gmem[1, first_item + r], 0)  # noqa: E731
-            specs = [
-                plgpu.BlockSpec((c.tile_k, cta_m), at_chunk, transforms=tiled),
-                plgpu.BlockSpec((c.tile_k, c.tile_n), at_chunk, transforms=tiled),
-            ]
-            return _warp_specialized(mma, compute_context, n_steps, specs, c.max_concurrent_steps)
+    def pipeline(mma, compute_context, first_chunk, n_steps):
+        chunk = lambda r: (first_chunk + r, 0)  # noqa: E731
+        specs = [
+            plgpu.BlockSpec((c.tile_k, cta_m), chunk, transforms=tiled),
+            plgpu.BlockSpec((c.tile_k, c.tile_n), chunk, transforms=tiled),
+        ]
+        return _warp_specialized(mma, compute_context, n_steps, specs, c.max_concurrent_steps)
 
+    def body(bounds_gmem, first_groups_gmem, lhs_gmem, grad_gmem, out_gmem):
         # A traced step count, as in the real pipelines: a static 1 would allocate one stage.
         allocs = pipeline(_ignore, _ignore, 0, jnp.int32(1)).get_allocations(lhs_gmem, grad_gmem)
 
@@ -530,44 +510,82 @@ def _launch_segmented_weight_grad(schedule, seg_items, lhs, grad, n_groups, c: W
                     info.index[0], (segments * m_blocks, n_blocks), 1, c.band
                 )
                 segment, row_block = tile // m_blocks, tile % m_blocks
-                first_item = seg_gmem[segment]
-                n_steps = seg_gmem[segment + 1] - first_item
+                g0, g1 = first_groups_gmem[segment], first_groups_gmem[segment + 1]
+                end_of = lambda g: bounds_gmem[1, jnp.minimum(g, n_groups - 1)]  # noqa: E731
+                seg_start = bounds_gmem[0, jnp.minimum(g0, n_groups - 1)]
+                first_chunk = jnp.minimum(seg_start // c.tile_k, n_chunks - 1)
+                # At least one chunk, so that a run of empty groups still stores their zeros.
+                n_steps = jnp.maximum(-(-end_of(g1 - 1) // c.tile_k) - first_chunk, 1)
                 wg_rows = pl.ds(wg * c.tile_m, c.tile_m)
                 cols = pl.ds(col_block * c.tile_n, c.tile_n)
                 weight_rows = pl.ds(row_block * cta_m + wg * c.tile_m, c.tile_m)
 
-                def mma(idx, lhs_smem, grad_smem, acc):
-                    item = first_item + idx[0]
-                    group = schedule_gmem[0, item]
-                    first, end = schedule_gmem[2, item], schedule_gmem[3, item]
+                def store(acc, g):
+                    result = acc[...].astype(dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    out_smem[wg] = result
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[g, weight_rows, cols])
+                    acc[...] = jnp.zeros((c.tile_m, c.tile_n), jnp.float32)
+
+                def mma(idx, lhs_smem, grad_smem, carry):
+                    acc, group, group_end = carry  # the group of the chunk's first rows
                     half = lhs_smem.at[:, wg_rows]
-                    _mask_rows(half, first, end, c.tile_k, c.tile_m, dtype)
-                    plgpu.wgmma(acc, plgpu.transpose_ref(half, (1, 0)), grad_smem)
-                    plgpu.wgmma_wait(0)
+                    chunk0 = (first_chunk + idx[0]) * c.tile_k
+                    chunk_end = chunk0 + c.tile_k
+                    lo = jnp.clip(seg_start - chunk0, 0, c.tile_k)
+                    inside = (lo == 0) & (group_end > chunk_end)
 
-                    @pl.when(schedule_gmem[4, item] != 0)
+                    @pl.when(inside)
                     def _():
-                        result = acc[...].astype(dtype)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        out_smem[wg] = result
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg], out_gmem.at[group, weight_rows, cols]
-                        )
-                        acc[...] = jnp.zeros((c.tile_m, c.tile_n), jnp.float32)
+                        plgpu.wgmma(acc, plgpu.transpose_ref(half, (1, 0)), grad_smem)
+                        plgpu.wgmma_wait(0)
 
-                    return acc
+                    # Otherwise the rows are split between groups: keep a copy to mask from.
+                    shape = (c.tile_k, c.tile_m)
+                    x = lax.cond(inside, lambda: jnp.zeros(shape, dtype), lambda: half[...])
+                    row = plgpu.layout_cast(
+                        lax.broadcasted_iota(jnp.int32, shape, 0), plgpu.Layout.WGMMA
+                    )
+
+                    def add_rows(first, end):  # acc += this chunk's rows [first, end)
+                        @pl.when(end > first)
+                        def _():
+                            half[...] = x * ((row >= first) & (row < end)).astype(dtype)
+                            plgpu.commit_smem()
+                            plgpu.wgmma(acc, plgpu.transpose_ref(half, (1, 0)), grad_smem)
+                            plgpu.wgmma_wait(0)
+
+                    def ends_here(loop):
+                        _, g, g_end = loop
+                        return (g < g1) & (g_end <= chunk_end)
+
+                    def finish_group(loop):
+                        first, g, g_end = loop
+                        add_rows(first, g_end - chunk0)
+                        store(acc, g)
+                        return jnp.maximum(first, g_end - chunk0), g + 1, end_of(g + 1)
+
+                    first, group, group_end = lax.while_loop(
+                        ends_here, finish_group, (lo, group, group_end)
+                    )
+
+                    @pl.when(~inside & (group < g1))
+                    def _():
+                        add_rows(first, c.tile_k)  # the rest is the next group's
+
+                    return acc, group, group_end
 
                 def compute_context(run):
                     @functools.partial(
                         pl.run_scoped, acc=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32)
                     )
                     def _(acc):
-                        run(acc)
+                        run((acc, g0, end_of(g0)))
 
-                @pl.when(n_steps > 0)
+                @pl.when(g1 > g0)
                 def _():
-                    pipeline(mma, compute_context, first_item, n_steps)(
+                    pipeline(mma, compute_context, first_chunk, n_steps)(
                         lhs_gmem.at[:, pl.ds(row_block * cta_m, cta_m)],
                         grad_gmem.at[:, cols],
                         allocations=allocs,
@@ -576,7 +594,7 @@ def _launch_segmented_weight_grad(schedule, seg_items, lhs, grad, n_groups, c: W
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = _kernel(body, (n_groups, k, n), dtype)
-    return kernel(schedule, seg_items, lhs, grad)
+    return kernel(bounds, first_groups, lhs, grad)
 
 
 def _mask_rows(half, first, end, tile_k: int, tile_m: int, dtype) -> None:

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from dropless.backends import mosaic_gmm, pallas
@@ -41,37 +41,19 @@ def test_schedule_covers_every_row_once_with_its_group(layout):
 
 
 @given(layouts(), st.integers(1, 6))
-def test_chunk_schedule_gives_each_group_its_rows_and_one_last_item(layout, segments):
-    """The segmented weight gradient's items: every row of the groups once, in row order,
-    with its group; nothing past the groups; one `last` item per group, its final one; an
-    empty group a single item with no rows; segments made of whole groups."""
-    sizes, rows, tile_k = layout
-    schedule, seg_items = mosaic_gmm.chunk_schedule(
-        jnp.asarray(sizes, jnp.int32), rows, tile_k, segments
-    )
-    group, chunk, first, end, last = np.asarray(schedule)
-    seg_items = np.asarray(seg_items)
-    n = seg_items[-1]
-    assert n <= schedule.shape[1] == rows // tile_k + len(sizes) - 1
-    assert seg_items[0] == 0 and (np.diff(seg_items) >= 0).all() and len(seg_items) == segments + 1
-    live = min(sizes.sum(), rows)
-    owner = np.repeat(np.arange(len(sizes)), sizes)[:live]
-    covered, items_of = [], {}
-    for i in range(n):
-        assert 0 <= chunk[i] < rows // tile_k and 0 <= first[i] <= end[i] <= tile_k
-        rows_of_item = chunk[i] * tile_k + np.arange(first[i], end[i])
-        assert (owner[rows_of_item] == group[i]).all()
-        covered.extend(rows_of_item)
-        items_of.setdefault(group[i], []).append(i)
-    assert covered == list(range(live))
-    assert sorted(items_of) == list(range(len(sizes)))  # every group, empty ones too
-    for g, items in items_of.items():
-        assert items == list(range(items[0], items[-1] + 1))
-        assert [last[i] for i in items] == [0] * (len(items) - 1) + [1]
-        if min(sizes[g], max(live - sizes[:g].sum(), 0)) == 0:
-            assert len(items) == 1 and first[items[0]] == end[items[0]]
-    for start in seg_items[1:-1]:  # a segment never splits a group
-        assert start == 0 or start == n or group[start] != group[start - 1]
+@example((np.array([5, 0, 5]), 16, 8), 2)  # a group starts exactly at the share
+@example((np.array([0, 0]), 8, 8), 3)  # no rows at all
+def test_expert_segments_split_the_rows_at_group_starts(layout, segments):
+    """The segmented weight gradient's runs of groups: they cover every group once, in order,
+    and run s starts at the first group that starts at or past s / segments of the rows."""
+    sizes, rows, _ = layout
+    first = np.asarray(mosaic_gmm.expert_segments(jnp.asarray(sizes, jnp.int32), rows, segments))
+    assert len(first) == segments + 1 and first[0] == 0 and first[-1] == len(sizes)
+    assert (np.diff(first) >= 0).all()
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    for s in range(1, segments):
+        share = sizes.sum() * s // segments
+        assert (starts[: first[s]] < share).all() and (starts[first[s] :] >= share).all()
 
 
 def _interpret(monkeypatch):
