@@ -5,6 +5,7 @@ aid for the ninth run, not library code: it swaps the default WeightGradConfig i
 import sys
 
 import bench_moe
+
 from dropless.backends import mosaic_gmm
 
 steps = int(sys.argv[1])
