@@ -28,6 +28,8 @@ ROW_CANDIDATES = {  # fwd and dgrad: rows x (2 x columns) per thread block, stag
     "128x2x128 s3 b4": KC(),
     "128x2x128 s3 b8": KC(band=8),
     "128x2x128 s3 b16": KC(band=16),
+    "64x2x128 s4 b4": KC(tile_m=64, max_concurrent_steps=4),  # half the rows a straddle wastes
+    "64x2x128 s4 b8": KC(tile_m=64, max_concurrent_steps=4, band=8),
     "128x2x64 s4 b8": KC(tile_n=64, max_concurrent_steps=4, band=8),
     "128x2x64 s4 b16": KC(tile_n=64, max_concurrent_steps=4, band=16),
     "chain 128x2x128 s2 b4": KC(max_concurrent_steps=2, chain=True),

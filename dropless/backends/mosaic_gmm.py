@@ -333,10 +333,10 @@ class WeightGradConfig:
     as in `KernelConfig`: 16 was the fastest of 4 / 8 / 16 on an H200 at DeepSeek-V3 widths,
     most with 256 small experts (docs/benchmarks.md).
 
-    `segment_steps`: a thread block walks the rows of a run of consecutive experts (a segment of
-    about this many `tile_k` chunks) in one pipeline, storing each expert's tile when its rows
-    end; so a small expert costs no pipeline fill and drain of its own. None: one pipeline per
-    expert and tile."""
+    `segment_steps`: a thread block walks the rows of a run of consecutive experts (about this
+    many `tile_k` chunks, in a power-of-two number of runs) in one pipeline, storing each
+    expert's tile when its rows end; so a small expert costs no pipeline fill and drain of its
+    own. None: one pipeline per expert and tile."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -350,6 +350,17 @@ class WeightGradConfig:
             raise ValueError(
                 f"WeightGradConfig.segment_steps={self.segment_steps} must be None or >= 1"
             )
+
+
+def weight_grad_config_for(rows: int, n_groups: int) -> WeightGradConfig:
+    """The weight gradient's settings for `rows` over `n_groups`. Chosen on an H200 by kernel
+    time (docs/benchmarks.md): runs of 64 chunks where experts average at most 512 rows (at
+    256, +4-7% balanced and +18-31% Dirichlet over one pipeline per expert; at 512, -5% and
+    +8%); one pipeline per expert above (3-20% faster there, except +1% for runs at 2048
+    Dirichlet)."""
+    if rows <= 512 * n_groups:
+        return WeightGradConfig(segment_steps=64)
+    return WeightGradConfig()
 
 
 def weight_grad_fits(k: int, n: int, config: WeightGradConfig | None = None) -> bool:
@@ -367,8 +378,8 @@ def grouped_weight_grad(
 ) -> Float[Array, "groups k n"]:
     """`lhs[rows of e].T @ grad[rows of e]` for every group e (zeros for an empty group), in
     the operands' dtype with float32 accumulation. Rows past the last group are ignored."""
-    c = config or WeightGradConfig()
     rows, k = lhs.shape
+    c = config or weight_grad_config_for(rows, group_sizes.shape[0])
     n = grad.shape[1]
     _check("weight gradient", lhs, grad, (("k", k, 2 * c.tile_m), ("n", n, c.tile_n)))
     if rows == 0:
@@ -384,7 +395,9 @@ def grouped_weight_grad(
 
 
 def _segment_count(rows: int, n_groups: int, c: WeightGradConfig) -> int:
-    return max(1, min(n_groups, rows // c.tile_k // c.segment_steps))
+    """A power of two (equal runs of a power-of-two expert count), at most one per expert."""
+    runs = max(1, min(n_groups, rows // c.tile_k // c.segment_steps))
+    return 1 << (runs.bit_length() - 1)
 
 
 def expert_segments(

@@ -149,3 +149,39 @@ def test_output_width_picks_the_tiles():
     assert mosaic_gmm.config_for(384).tile_n == 64
     with pytest.raises(ValueError, match="tile_m=96 must be a power of two"):
         mosaic_gmm.KernelConfig(tile_m=96)
+
+
+@pytest.mark.parametrize(
+    ("rows", "groups", "segmented", "runs"),
+    [
+        (256 * 256, 256, True, 16),
+        (512 * 64, 64, True, 8),
+        (513 * 64, 64, False, None),
+        (2048 * 8, 8, False, None),
+        (1000, 16, True, 1),
+        (64 * 64 * 6, 64, True, 4),  # 6 runs of 64 chunks round down to 4
+    ],
+)
+def test_small_experts_take_the_segmented_weight_gradient(
+    monkeypatch, rows, groups, segmented, runs
+):
+    """Experts averaging at most 512 rows get runs of 64 chunks, in a power-of-two count of at
+    most one per expert; bigger experts one pipeline each. (The launchers are replaced by spies:
+    the kernels run on the GPU.)"""
+    launched = []
+    out = jnp.zeros((groups, 256, 128), jnp.bfloat16)
+
+    def in_runs(bounds, first_groups, *_):
+        launched.append(("runs", first_groups.shape[0] - 1))
+        return out
+
+    monkeypatch.setattr(mosaic_gmm, "_launch_segmented_weight_grad", in_runs)
+    monkeypatch.setattr(
+        mosaic_gmm, "_launch_weight_grad", lambda *_: launched.append(("per expert", None)) or out
+    )
+    x = jnp.zeros((rows, 256), jnp.bfloat16)
+    g = jnp.zeros((rows, 128), jnp.bfloat16)
+    mosaic_gmm.grouped_weight_grad(x, g, jnp.full(groups, rows // groups, jnp.int32))
+    assert launched == [("runs", runs) if segmented else ("per expert", None)]
+    with pytest.raises(ValueError, match="segment_steps=0 must be None or >= 1"):
+        mosaic_gmm.WeightGradConfig(segment_steps=0)
