@@ -28,8 +28,6 @@ ROW_CANDIDATES = {  # fwd and dgrad: rows x (2 x columns) per thread block, stag
     "128x2x128 s3 b4": KC(),
     "128x2x128 s3 b8": KC(band=8),
     "128x2x128 s3 b16": KC(band=16),
-    "64x2x128 s4 b4": KC(tile_m=64, max_concurrent_steps=4),  # half the rows a straddle wastes
-    "64x2x128 s4 b8": KC(tile_m=64, max_concurrent_steps=4, band=8),
     "128x2x64 s4 b8": KC(tile_n=64, max_concurrent_steps=4, band=8),
     "128x2x64 s4 b16": KC(tile_n=64, max_concurrent_steps=4, band=16),
     "chain 128x2x128 s2 b4": KC(max_concurrent_steps=2, chain=True),
@@ -56,6 +54,15 @@ CASES = ",".join(
     + ["1024x512@64x1536", "512x1024@64x1536", "7168x2048@64x512", "2048x7168@64x512"]
 )
 DEFAULTS = {"fwd": "128x2x128 s3 b4", "dgrad": "128x2x128 s3 b4", "wgrad": "2x128x128 k64 s3 b16"}
+
+
+def default_name(op: str, experts: int, rows_per_expert: int) -> str:
+    """The candidate the library runs by default for `op` at this layout."""
+    if op == "wgrad":
+        config = mosaic_gmm.weight_grad_config_for(experts * rows_per_expert, experts)
+        named = [name for name, c in WGRAD_CANDIDATES.items() if c == config]
+        return named[0] if named else DEFAULTS[op]
+    return DEFAULTS[op]
 
 
 def applies(op: str, config, k: int, n: int) -> bool:
@@ -223,7 +230,9 @@ def summarise(rows: list[dict]) -> list[dict]:
                 "experts x rows": layout,
                 "best": name,
                 "best / dense": means[name],
-                "default / dense": means.get(DEFAULTS[op], float("nan")),
+                "default / dense": means.get(
+                    default_name(op, *map(int, layout.split("x"))), float("nan")
+                ),
                 "config": dataclasses.asdict(
                     (WGRAD_CANDIDATES if op == "wgrad" else ROW_CANDIDATES)[name]
                 ),

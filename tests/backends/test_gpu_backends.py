@@ -295,10 +295,10 @@ def test_chained_mosaic_kernel_is_exact(op, layout, columns):
 @pytest.mark.parametrize("segment_steps", [None, 1, 4, 64])
 def test_segmented_weight_grad_is_exact(layout, segment_steps):
     """`WeightGradConfig(segment_steps=...)`: one pipeline walks a run of experts and stores
-    each expert's tile when its rows end (None: one pipeline per expert). Checked expert by expert, so a tile stored to the
-    wrong expert or an accumulator not cleared between experts cannot hide in a norm; empty
-    experts must come out exactly zero. Rows past the groups hold random values ("short",
-    "all_empty"): the kernel must not read them into any expert."""
+    each expert's tile when its rows end (None: one pipeline per expert). Checked expert by
+    expert, so a tile stored to the wrong expert or an accumulator not cleared between experts
+    cannot hide in a norm; empty experts must come out exactly zero. Rows past the groups hold
+    random values ("short", "all_empty"): the kernel must not read them into any expert."""
     pallas = load("pallas")
     from dropless.backends import mosaic_gmm
 
