@@ -26,7 +26,6 @@ from dropless.backends import mosaic_gmm, pallas
 KC, WC = mosaic_gmm.KernelConfig, mosaic_gmm.WeightGradConfig
 ROW_CANDIDATES = {  # fwd and dgrad: rows x (2 x columns) per thread block, stages, band
     "128x2x128 s3 b4": KC(),
-    "128x2x128 s3 b4 full": KC(half_blocks=False),  # shared blocks computed whole each pass
     "128x2x128 s3 b8": KC(band=8),
     "128x2x128 s3 b16": KC(band=16),
     "128x2x64 s4 b8": KC(tile_n=64, max_concurrent_steps=4, band=8),

@@ -41,9 +41,6 @@ class KernelConfig:
     tile_k: int = 64
     max_concurrent_steps: int = 3
     band: int = 4
-    # A pass over a block shared by two groups multiplies only the half of the block that
-    # holds its rows, when they fit in one half.
-    half_blocks: bool = True
     # Chain the row blocks' pipelines: the memory warpgroup loads the next block while the
     # compute warpgroups finish and store this one, so no bubble between blocks. JAX allows it
     # only when `max_concurrent_steps` divides the steps (`k / tile_k`).
@@ -179,10 +176,7 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
                         rhs_half = plgpu.transpose_ref(rhs_smem.at[wg_cols, :], (1, 0))
                     else:
                         rhs_half = rhs_smem.at[:, wg_cols]
-                    if c.half_blocks:
-                        _mma_rows(acc, lhs_smem, rhs_half, first, end, c.tile_m)
-                    else:
-                        plgpu.wgmma(acc, lhs_smem, rhs_half)
+                    plgpu.wgmma(acc, lhs_smem, rhs_half)
                     plgpu.wgmma_wait(0)
                     return acc
 
@@ -253,26 +247,6 @@ def _run_chained(make_pipeline, info, *refs, allocations) -> None:
     @pl.when(last > 0)
     def _():
         make_pipeline(state)(*refs, allocations=allocations)
-
-
-def _mma_rows(acc, lhs_smem, rhs, first, end, tile_m: int) -> None:
-    """acc += lhs @ rhs, skipping a half of the rows when rows [first, end) all lie in the
-    other: a block shared by two groups is computed once per group, and most of its passes
-    need only part of it."""
-    half = tile_m // 2
-    top, bottom = pl.ds(0, half), pl.ds(half, half)
-
-    @pl.when((first < half) & (end > half))
-    def _():
-        plgpu.wgmma(acc, lhs_smem, rhs)
-
-    @pl.when(end <= half)
-    def _():
-        plgpu.wgmma(acc.at[top], lhs_smem.at[top], rhs)
-
-    @pl.when(first >= half)
-    def _():
-        plgpu.wgmma(acc.at[bottom], lhs_smem.at[bottom], rhs)
 
 
 def _check(what: str, a, b, rules) -> None:
