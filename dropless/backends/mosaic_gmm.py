@@ -356,7 +356,7 @@ def weight_grad_config_for(rows: int, n_groups: int) -> WeightGradConfig:
     """The weight gradient's settings for `rows` over `n_groups`. Chosen on an H200 by kernel
     time (docs/benchmarks.md): runs of 64 chunks where experts average at most 512 rows (at
     256, +4-7% balanced and +18-31% Dirichlet over one pipeline per expert; at 512, -5% and
-    +8%); one pipeline per expert above (3-17% faster there, except 1% slower at 2048
+    +8%); one pipeline per expert above (3-21% faster there, except 1% slower at 2048
     Dirichlet)."""
     if rows <= 512 * n_groups:
         return WeightGradConfig(segment_steps=64)
