@@ -23,21 +23,31 @@ def layouts(draw):
 
 
 @given(layouts())
+@example((np.array([3, 0, 200, 1]), 256, 128))  # a tile moved back to end at `rows`
 def test_schedule_covers_every_row_once_with_its_group(layout):
     sizes, rows, tile_m = layout
     schedule, n_items = mosaic_gmm.tile_schedule(jnp.asarray(sizes, jnp.int32), rows, tile_m)
-    group, block, first, end = np.asarray(schedule)
+    group, row0, first, end = np.asarray(schedule)
+    row0 = row0 * mosaic_gmm.ROW_ALIGN
     n = int(n_items[0])
     assert n <= schedule.shape[1] == rows // tile_m + len(sizes) - 1
     owner = np.repeat(np.arange(len(sizes)), sizes)
     owner = np.concatenate([owner, np.full(rows - len(owner), len(sizes) - 1)])
     covered = []
     for i in range(n):
+        assert 0 <= row0[i] <= rows - tile_m  # every TMA load in bounds
         assert 0 <= first[i] < end[i] <= tile_m
-        rows_of_item = block[i] * tile_m + np.arange(first[i], end[i])
+        rows_of_item = row0[i] + np.arange(first[i], end[i])
         assert (owner[rows_of_item] == group[i]).all()
         covered.extend(rows_of_item)
     assert covered == list(range(rows))  # each row once, in row order
+    # Tiles start at their group's first row (rounded down to ROW_ALIGN): about ceil(n / tile_m)
+    # passes per group, none spent on a fixed row block shared with a neighbour.
+    ends = np.cumsum(sizes)
+    ends[-1] = rows  # the last group runs to `rows`
+    starts = np.concatenate([[0], ends[:-1]])
+    aligned = starts // mosaic_gmm.ROW_ALIGN * mosaic_gmm.ROW_ALIGN
+    assert n == np.where(ends > starts, -(-(ends - aligned) // tile_m), 0).sum()
 
 
 @given(layouts(), st.integers(1, 6))
