@@ -68,11 +68,11 @@ def tile_schedule(
     group_sizes: Int[Array, " groups"], rows: int, tile_m: int
 ) -> tuple[Int[Array, "4 slots"], Int[Array, "1"]]:
     """Work items of the row loop, in row order: (group, the tile's first row / `ROW_ALIGN`,
-    first, end), the last two as offsets within the tile; and how many items are real. Each group's tiles
-    start at its first row, rounded down to a multiple of `ROW_ALIGN`, so a group of n rows
-    takes about ceil(n / tile_m) items. A tile that would run past `rows` is moved back to end
-    there. The last group is stretched to cover every row to `rows`. `slots` = row blocks +
-    groups - 1 bounds the item count."""
+    first, end), the last two as offsets within the tile; and how many items are real. Each
+    group's tiles start at its first row, rounded down to a multiple of `ROW_ALIGN`, so a group
+    of n rows takes about ceil(n / tile_m) items. A tile that would run past `rows` is moved
+    back to end there. The last group is stretched to cover every row to `rows`. `slots` = row
+    blocks + groups - 1 bounds the item count."""
     n_groups = group_sizes.shape[0]
     n_blocks = -(-rows // tile_m)
     slots = n_blocks + n_groups - 1
