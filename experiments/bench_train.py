@@ -33,25 +33,30 @@ def flops_per_token(config, seq: int) -> float:
     return 6 * matmul_params + 3 * layers * attention
 
 
-def bench(config, backend, batch, seq, steps, profile_to=None, profile_top=25):
-    """Median step time and last loss; with `profile_to`, also print where the time goes."""
+def bench(config, backend, batch, seq, steps, profile_to=None, profile_top=25, micro_batches=1):
+    """Median step time and last loss; with `profile_to`, also print where the time goes.
+    `micro_batches`: the step's gradient in that many passes (gradient accumulation)."""
     model = DeepSeekV3(config, backend=backend, key=jax.random.key(0))
     state = init_state(model, TrainConfig(steps=1000, warmup_steps=10))
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, config.vocab_size)
-    hlo = train_step.lower(state, tokens).compile().compiled.as_text() if profile_to else ""
-    state, metrics = train_step(state, tokens)  # compile
+    hlo = (
+        train_step.lower(state, tokens, micro_batches).compile().compiled.as_text()
+        if profile_to
+        else ""
+    )
+    state, metrics = train_step(state, tokens, micro_batches)  # compile
     jax.block_until_ready(metrics["loss"])
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        state, metrics = train_step(state, tokens)
+        state, metrics = train_step(state, tokens, micro_batches)
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - start)
     if profile_to is not None:
 
         def run():
             nonlocal state, metrics
-            state, metrics = train_step(state, tokens)
+            state, metrics = train_step(state, tokens, micro_batches)
             jax.block_until_ready(metrics["loss"])
 
         scopes, kernels = _profile.profile(
@@ -68,6 +73,9 @@ def main():
     parser.add_argument("--preset", default="proxy-2b")
     parser.add_argument("--backends", default="te,jnp-capacity,jnp")
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument(
+        "--micro-batches", type=int, default=1, help="gradient accumulation: passes per step"
+    )
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--peak", type=float, default=989e12, help="peak FLOP/s for MFU")
@@ -100,6 +108,7 @@ def main():
         "machine": machine(),
         "preset": args.preset,
         "batch": args.batch,
+        "micro_batches": args.micro_batches,
         "seq": args.seq,
         "remat": args.remat,
         "unroll_layers": args.unroll_layers,
@@ -111,7 +120,14 @@ def main():
         try:
             profile_to = args.out / f"profile_{args.preset}_{name}" if args.profile else None
             t, loss = bench(
-                config, name, args.batch, args.seq, args.steps, profile_to, args.profile_top
+                config,
+                name,
+                args.batch,
+                args.seq,
+                args.steps,
+                profile_to,
+                args.profile_top,
+                args.micro_batches,
             )
         except BackendUnavailableError as err:
             rows.append({"backend": name, "status": f"unavailable: {err}"[:100]})
@@ -132,7 +148,7 @@ def main():
         )
         print_table(rows[-1:])
     print_table(rows, f"{args.preset}, batch {args.batch} x {args.seq}, {config.compute_dtype}")
-    tag = f"{args.preset}_b{args.batch}_{args.remat}_{args.attention_impl}"
+    tag = f"{args.preset}_b{args.batch}m{args.micro_batches}_{args.remat}_{args.attention_impl}"
     tag += "_unrolled" if args.unroll_layers else ""
     write_results(args.out, f"train_{tag}", rows, meta)
 

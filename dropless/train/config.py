@@ -19,6 +19,10 @@ class TrainConfig:
     """Sequences per batch."""
     seq_len: int = 64
     """Tokens per sequence (at most the model's `max_position_embeddings`)."""
+    micro_batches: int = 1
+    """Gradient accumulation: compute each step's gradient in this many passes over equal slices
+    of the batch (it must divide `batch_size`), for batches too large for one pass. The same
+    step as one pass, except that the batch-wise balance loss is taken per slice."""
     mesh: str | None = None
     """Device mesh to train on, e.g. 'data=2,expert=4' (axes data, fsdp, expert; their product
     must equal the device count; axes left out have size 1). Parameters and optimiser state are
@@ -95,7 +99,14 @@ class TrainConfig:
     """Also write TensorBoard event files (needs `pip install tensorboardX`)."""
 
     def __post_init__(self):
-        positive = ("steps", "batch_size", "seq_len", "eval_batches", "keep_checkpoints")
+        positive = (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "micro_batches",
+            "eval_batches",
+            "keep_checkpoints",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -114,6 +125,11 @@ class TrainConfig:
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.batch_size % self.micro_batches:
+            raise ValueError(
+                f"TrainConfig.micro_batches ({self.micro_batches}) must divide batch_size "
+                f"({self.batch_size})"
+            )
         if not self.lr > 0:
             raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -366,10 +366,14 @@ def train(
             _check_batch(batch.tokens, model_config)
             began = time.perf_counter()
             if device_mesh is None:
-                state, step_metrics = train_step(state, jnp.asarray(batch.tokens))
+                state, step_metrics = train_step(
+                    state, jnp.asarray(batch.tokens), train_config.micro_batches
+                )
             else:
                 tokens = sharding.shard_batch(batch.tokens, device_mesh)
-                state, step_metrics = sharded_train_step(device_mesh, state, tokens)
+                state, step_metrics = sharded_train_step(
+                    device_mesh, state, tokens, train_config.micro_batches
+                )
             record = _host_metrics(step_metrics)  # waits for the step
             elapsed = time.perf_counter() - began
             done = step + 1

@@ -21,7 +21,6 @@ import math
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, PyTree
@@ -31,14 +30,15 @@ from dropless.backends import with_backend
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     DeepSeekV3Config,
-    ModelOutput,
 )
 from dropless.moe import MoEStats
 from dropless.train import optim
+from dropless.train.accumulate import accumulated
 from dropless.train.config import TrainConfig
 from dropless.train.step import (
     TrainState,
     apply_gradients,
+    loads_only,
     loss_terms,
     stats_metrics,
     total_loss,
@@ -52,8 +52,9 @@ def resolve_mesh(
     asked for or it has a single device (the run then takes the single-device path).
 
     Raises ValueError naming the setting at fault: a malformed spec or one whose product is not
-    the device count (`mesh`), a batch the batch shards do not divide (`batch_size`), experts the
-    expert axis does not divide (`n_routed_experts`).
+    the device count (`mesh`), a batch (or micro-batch) the batch shards do not divide
+    (`batch_size`, `micro_batches`), experts the expert axis does not divide
+    (`n_routed_experts`).
     """
     if spec is None:
         return None
@@ -65,11 +66,17 @@ def resolve_mesh(
         return None
     axes = sharding.batch_axes(mesh)
     shards = math.prod(mesh.shape[a] for a in axes)
-    if train_config.batch_size % shards:
+    slice_size = train_config.batch_size // train_config.micro_batches
+    if slice_size % shards:
         layout = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+        per_slice = (
+            f" / micro_batches ({train_config.micro_batches})"
+            if train_config.micro_batches > 1
+            else ""
+        )
         raise ValueError(
-            f"TrainConfig.batch_size ({train_config.batch_size}) must be divisible by the number "
-            f"of batch shards of mesh {spec!r} ({shards}: {layout})"
+            f"TrainConfig.batch_size ({train_config.batch_size}){per_slice} must be divisible by "
+            f"the number of batch shards of mesh {spec!r} ({shards}: {layout})"
         )
     ep = mesh.shape["expert"]
     if ep > 1 and model_config.n_routed_experts % ep:
@@ -144,25 +151,20 @@ def _local_loss(mesh: Mesh):
     return loss_fn
 
 
-def _loads_only(stats: tuple[MoEStats, MoEStats]) -> ModelOutput:
-    """A ModelOutput carrying only the (global) MoE statistics of the main stack and the MTP
-    blocks: all that the bias update and the step's metrics read."""
-    return ModelOutput(jnp.zeros((0, 0, 0)), None, *stats)
-
-
 @eqx.filter_jit(donate="all-except-first")
 def sharded_train_step(
-    mesh: Mesh, state: TrainState, tokens: Int[Array, "batch window"]
+    mesh: Mesh, state: TrainState, tokens: Int[Array, "batch window"], micro_batches: int = 1
 ) -> tuple[TrainState, dict[str, Array]]:
-    """`dropless.train.step.train_step` on `mesh` (same metrics); `state` must be placed by
-    `shard_state`, `tokens` by `sharding.shard_batch`. `state` is donated."""
+    """`dropless.train.step.train_step` on `mesh` (same metrics and `micro_batches`); `state`
+    must be placed by `shard_state`, `tokens` by `sharding.shard_batch`. `state` is donated."""
     trainable = optim.trainable_filter(state.model)
     frozen_weights = jax.tree.map(lambda _: False, state.hparams)
     value_and_grad = sharding.sharded_value_and_grad(
         _local_loss(mesh), mesh, has_aux=True, diff_filter=(trainable, frozen_weights)
     )
+    value_and_grad = accumulated(value_and_grad, micro_batches)
     (loss, (terms, stats)), (grads, _) = value_and_grad((state.model, state.hparams), tokens)
-    loads = _loads_only(jax.lax.stop_gradient(stats))
+    loads = loads_only(jax.lax.stop_gradient(stats))
     new_state, metrics = apply_gradients(state, grads, loads, loss, terms)
     return _constrain(new_state, mesh), metrics
 
@@ -186,7 +188,7 @@ def sharded_eval_step(
         out = {"loss": loss, **terms}
         if axes:
             out = jax.tree.map(lambda a: jax.lax.pmean(a, axes), out)
-        return {**out, **stats_metrics(_loads_only(stats))}
+        return {**out, **stats_metrics(loads_only(stats))}
 
     return jax.shard_map(
         local,

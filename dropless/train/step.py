@@ -30,6 +30,7 @@ from dropless.models.deepseek_v3 import (
 )
 from dropless.moe import MoE, MoEStats
 from dropless.train import optim
+from dropless.train.accumulate import accumulated
 from dropless.train.config import TrainConfig
 
 # TrainConfig fields that the step reads as data (see `hparams`).
@@ -179,9 +180,11 @@ def _learning_rate(state: TrainState) -> Float[Array, ""]:
 
 @eqx.filter_jit(donate="all")
 def train_step(
-    state: TrainState, tokens: Int[Array, "batch window"]
+    state: TrainState, tokens: Int[Array, "batch window"], micro_batches: int = 1
 ) -> tuple[TrainState, dict[str, Array]]:
     """One optimiser step on a batch of windows; `state` is donated (do not reuse it).
+    `micro_batches` > 1 computes the gradient in that many passes over equal slices of the
+    batch (`dropless.train.accumulate`), for batches too large for one pass.
 
     Metrics are device arrays: scalars (loss, ce, mtp, balance_loss, seq_balance_loss, z_loss,
     max_vio, dropped, grad_norm, update_norm, lr) plus `max_vio_layers [layers]` and
@@ -190,12 +193,19 @@ def train_step(
     params, frozen = eqx.partition(state.model, optim.trainable_filter(state.model))
     weights = state.hparams
 
-    def loss_fn(params):
+    def loss_fn(params, tokens):
         terms, out = loss_terms(eqx.combine(params, frozen), tokens)
-        return total_loss(terms, weights), (terms, out)
+        return total_loss(terms, weights), (terms, (out.moe_stats, out.mtp_moe_stats))
 
-    (loss, (terms, out)), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(params)
-    return apply_gradients(state, grads, jax.lax.stop_gradient(out), loss, terms)
+    value_and_grad = accumulated(eqx.filter_value_and_grad(loss_fn, has_aux=True), micro_batches)
+    (loss, (terms, stats)), grads = value_and_grad(params, tokens)
+    return apply_gradients(state, grads, loads_only(jax.lax.stop_gradient(stats)), loss, terms)
+
+
+def loads_only(stats: tuple[MoEStats, MoEStats]) -> ModelOutput:
+    """A ModelOutput carrying only the MoE statistics of the main stack and the MTP blocks: all
+    that the bias update and the step's metrics read."""
+    return ModelOutput(jnp.zeros((0, 0, 0)), None, *stats)
 
 
 def apply_gradients(

@@ -1,5 +1,6 @@
 """The train loop on a device mesh (`train(..., mesh=...)`, `dropless train --mesh`): the same
-losses as the single-device run, a resume from sharded checkpoints, clear errors, a CLI smoke run.
+losses as the single-device run, also in micro-batches, a resume from sharded checkpoints, clear
+errors, a CLI smoke run.
 
 8 emulated CPU devices (tests/conftest.py). A two-layer tiny model (one dense layer, one MoE
 layer, one MTP block) at batch 8 x 32 tokens keeps the compiles short; the runs share them.
@@ -67,10 +68,20 @@ def test_mesh_run_equals_single_device_run_and_resumes(tmp_path):
     assert len(resumed.model.moe_layers.mlp.router.expert_bias.sharding.device_set) == 8
 
 
+def test_mesh_run_in_micro_batches_equals_single_device_run(tmp_path):
+    """Batch 16 in two micro-batches of 8 (strided slices of the sharded batch, each split over
+    the 8 devices): the losses and loads of one pass over the batch on one device."""
+    single = train(MODEL, config(batch_size=16), out_dir=str(tmp_path / "single"))
+    micro = train(MODEL, config(batch_size=16, micro_batches=2), out_dir=str(tmp_path), mesh=MESH)
+    np.testing.assert_allclose(micro.losses, single.losses, rtol=RTOL)
+    np.testing.assert_array_equal(micro.expert_load, single.expert_load)
+
+
 @pytest.mark.parametrize(
     "model_changes, changes, mesh, message",
     [
         ({}, {"batch_size": 6}, MESH, "batch_size"),
+        ({}, {"micro_batches": 8}, MESH, r"batch_size \(8\) / micro_batches \(8\) must be"),
         ({}, {}, "data=2,expert=2", "device count"),
         ({}, {}, "data=2,expert=3,fsdp=1", "device count"),
         ({"n_routed_experts": 6, "n_group": 1, "topk_group": 1}, {}, MESH, "n_routed_experts"),

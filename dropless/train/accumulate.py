@@ -1,0 +1,77 @@
+"""Gradient accumulation: one optimiser step over a batch computed as `micro_batches` passes over
+equal slices of it, one after another, so that a batch too large for one pass still trains.
+
+Every loss term is a mean over its slice's tokens (or sequences) and the slices are equal, so
+the mean over slices is the whole batch's, with one exception: the batch-wise (Switch) balance
+loss is taken per slice. The MoE loads are summed over the slices, so the expert-bias update and
+MaxVio see the whole batch.
+"""
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from dropless import balance
+from dropless.moe import MoEStats
+
+
+def micro_batch_slices(
+    tokens: Int[Array, "batch window"], micro_batches: int
+) -> Int[Array, "micro_batches slice window"]:
+    """`tokens` as `micro_batches` equal slices; slice i holds rows i, i + m, i + 2m, ... Strided,
+    so that a batch split over devices by rows is split the same way in every slice."""
+    batch = tokens.shape[0]
+    if micro_batches < 1 or batch % micro_batches:
+        raise ValueError(
+            f"micro_batches={micro_batches} must be >= 1 and divide the batch size {batch}"
+        )
+    return tokens.reshape(batch // micro_batches, micro_batches, *tokens.shape[1:]).swapaxes(0, 1)
+
+
+def accumulated(value_and_grad: Callable, micro_batches: int) -> Callable:
+    """`value_and_grad(params, tokens) -> ((loss, (terms, stats)), grads)`, with `stats` a tuple
+    of stacked `MoEStats`, run over `micro_batches` slices of `tokens` (`jax.lax.scan`): loss,
+    terms and gradients averaged over the slices (summed in float32), the statistics merged by
+    `merged_stats`. With one micro-batch, `value_and_grad` itself."""
+    if micro_batches == 1:
+        return value_and_grad
+
+    def run(params, tokens):
+        slices = micro_batch_slices(tokens, micro_batches)
+        shapes = jax.eval_shape(value_and_grad, params, slices[0])
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), shapes)
+
+        def add_slice(total, micro):
+            out = value_and_grad(params, micro)
+            return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, out), None
+
+        total, _ = jax.lax.scan(add_slice, zeros, slices)
+        (_, (_, summed_stats)), _ = total
+        mean = jax.tree.map(lambda t, s: (t / micro_batches).astype(s.dtype), total, shapes)
+        (loss, (terms, _)), grads = mean
+        stats = tuple(merged_stats(s, micro_batches) for s in summed_stats)
+        return (loss, (terms, stats)), grads
+
+    return run
+
+
+def merged_stats(summed: MoEStats, micro_batches: int) -> MoEStats:
+    """Statistics of `micro_batches` slices, from their field-by-field sum (fields stacked over
+    layers): loads and drops summed, MaxVio recomputed per layer from the summed loads, the
+    losses averaged."""
+    counts = summed.tokens_per_expert
+    max_vio = jax.vmap(balance.max_violation)(counts) if counts.shape[0] else summed.max_vio
+    losses = (summed.balance_loss, summed.seq_balance_loss, summed.z_loss)
+    # tree_at, not MoEStats(...): the fields are stacked over layers
+    return eqx.tree_at(
+        lambda s: (s.max_vio, s.balance_loss, s.seq_balance_loss, s.z_loss),
+        summed,
+        (max_vio, *(loss / micro_batches for loss in losses)),
+    )
+
+
+def _sum_dtype(dtype):
+    return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.inexact) else dtype
