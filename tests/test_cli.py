@@ -82,13 +82,18 @@ def test_preset_yaml_flags_and_set_compose(tmp_path):
             "train", "--config", str(config), "--steps", "9",
             "--model.n-routed-experts", "4",
             "--set", "model.num_experts_per_tok=1", "train.batch_size=3", "train.eps=1e-6",
+            "train.micro_batches=3",
         ]
     )  # fmt: skip
     model, train = command.configs()
     assert command.backend == "ragged"
     assert (model.hidden_size, model.n_routed_experts, model.num_experts_per_tok) == (32, 4, 1)
     assert (train.steps, train.lr, train.batch_size, train.eps) == (9, 0.01, 3, 1e-6)
+    assert train.micro_batches == 3
     assert model.vocab_size == cli.get_preset("tiny").vocab_size  # the rest from the preset
+
+    flags = cli.parse(["train", "--batch-size", "32", "--micro-batches", "4"]).configs()[1]
+    assert (flags.batch_size, flags.micro_batches) == (32, 4)
 
     small = cli.parse(["train", "--preset", "small"]).configs()[0]
     assert small == cli.get_preset("small")
@@ -105,6 +110,7 @@ def test_preset_yaml_flags_and_set_compose(tmp_path):
         (["train", "--set", "model.n_routed_experts"], "expected model.<field>=<value>"),
         (["train", "--set", "model.n_experts=3"], "unknown field(s) n_experts"),
         (["train", "--set", "train.steps=0"], "TrainConfig.steps must be >= 1"),
+        (["train", "--set", "train.micro_batches=3"], "micro_batches (3) must divide batch_size"),
         (["train", "--set", "train.lr=fast"], "lr must be a number, got 'fast'"),
         (["train", "--model.num-hidden-layers", "0"], "num_hidden_layers (0) must be >= 1"),
         (["train", "--config", "missing.yaml"], "config file not found"),
