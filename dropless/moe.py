@@ -23,6 +23,25 @@ class MoEStats(eqx.Module):
     dropped: Float[Array, ""]  # copies not computed (always 0 unless an EP buffer overflowed)
 
 
+def with_loads(
+    stats: MoEStats,
+    tokens_per_expert: Float[Array, "layers experts"],
+    dropped: Float[Array, " layers"],
+) -> MoEStats:
+    """`stats`, stacked over layers, with these loads and drops (of a larger batch: summed over
+    devices or micro-batches) and MaxVio recomputed from them, layer by layer."""
+    if tokens_per_expert.shape[0]:
+        max_vio = jax.vmap(balance.max_violation)(tokens_per_expert)
+    else:
+        max_vio = stats.max_vio  # no layers
+    # tree_at, not MoEStats(...): the fields are stacked over layers
+    return eqx.tree_at(
+        lambda s: (s.tokens_per_expert, s.max_vio, s.dropped),
+        stats,
+        (tokens_per_expert, max_vio, dropped),
+    )
+
+
 def routing_stats(
     routing: Routing, seq_len: int | None = None, dropped: Float[Array, ""] | None = None
 ) -> MoEStats:

@@ -15,8 +15,8 @@ A group's last tile usually reaches into the next group's rows. It is computed w
 only its own rows, through a ladder of power-of-two TMA stores (the row count is known only at
 run time). Tiles aligned to the groups (to 8 rows) rather than to fixed row blocks take about
 ceil(n / tile_m) passes for a group of n rows: with 256 experts of 256 rows on average
-(Dirichlet or multinomial draws), 630-655 passes where fixed blocks take about 765, a block
-shared by two groups costing a pass for each.
+(Dirichlet or multinomial draws), about 640-670 passes where fixed blocks take about 765, a
+block shared by two groups costing a pass for each.
 Rows after the last group are computed with the last expert's weights: finite for finite input,
 as the grouped-matmul contract asks. The weight gradient ignores them, which is exact because
 callers ignore those rows (their output gradient is zero).

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from dropless import balance
-from dropless.moe import MoEStats
+from dropless.moe import MoEStats, with_loads
 
 
 def micro_batch_slices(
@@ -49,9 +48,13 @@ def accumulated(value_and_grad: Callable, micro_batches: int) -> Callable:
             return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, out), None
 
         total, _ = jax.lax.scan(add_slice, zeros, slices)
-        (_, (_, summed_stats)), _ = total
-        mean = jax.tree.map(lambda t, s: (t / micro_batches).astype(s.dtype), total, shapes)
-        (loss, (terms, _)), grads = mean
+        (loss, (terms, summed_stats)), grads = total
+        (loss_like, (terms_like, _)), grads_like = shapes
+        loss, terms, grads = jax.tree.map(
+            lambda t, s: (t / micro_batches).astype(s.dtype),
+            (loss, terms, grads),
+            (loss_like, terms_like, grads_like),
+        )
         stats = tuple(merged_stats(s, micro_batches) for s in summed_stats)
         return (loss, (terms, stats)), grads
 
@@ -62,14 +65,13 @@ def merged_stats(summed: MoEStats, micro_batches: int) -> MoEStats:
     """Statistics of `micro_batches` slices, from their field-by-field sum (fields stacked over
     layers): loads and drops summed, MaxVio recomputed per layer from the summed loads, the
     losses averaged."""
-    counts = summed.tokens_per_expert
-    max_vio = jax.vmap(balance.max_violation)(counts) if counts.shape[0] else summed.max_vio
-    losses = (summed.balance_loss, summed.seq_balance_loss, summed.z_loss)
+    stats = with_loads(summed, summed.tokens_per_expert, summed.dropped)
+    losses = (stats.balance_loss, stats.seq_balance_loss, stats.z_loss)
     # tree_at, not MoEStats(...): the fields are stacked over layers
     return eqx.tree_at(
-        lambda s: (s.max_vio, s.balance_loss, s.seq_balance_loss, s.z_loss),
-        summed,
-        (max_vio, *(loss / micro_batches for loss in losses)),
+        lambda s: (s.balance_loss, s.seq_balance_loss, s.z_loss),
+        stats,
+        tuple(loss / micro_batches for loss in losses),
     )
 
 

@@ -25,13 +25,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, PyTree
 
-from dropless import balance, sharding
+from dropless import sharding
 from dropless.backends import with_backend
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     DeepSeekV3Config,
 )
-from dropless.moe import MoEStats
+from dropless.moe import MoEStats, with_loads
 from dropless.train import optim
 from dropless.train.accumulate import accumulated
 from dropless.train.config import TrainConfig
@@ -130,11 +130,7 @@ def _global_stats(stats: MoEStats, axes: tuple[str, ...]) -> MoEStats:
     if axes:
         counts = jax.lax.psum(counts, axes)
         dropped = jax.lax.psum(dropped, axes)
-    max_vio = jax.vmap(balance.max_violation)(counts) if counts.shape[0] else stats.max_vio
-    # tree_at, not MoEStats(...): the fields are stacked over layers
-    return eqx.tree_at(
-        lambda s: (s.tokens_per_expert, s.max_vio, s.dropped), stats, (counts, max_vio, dropped)
-    )
+    return with_loads(stats, counts, dropped)
 
 
 def _local_loss(mesh: Mesh):

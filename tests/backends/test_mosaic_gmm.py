@@ -41,13 +41,17 @@ def test_schedule_covers_every_row_once_with_its_group(layout):
         assert (owner[rows_of_item] == group[i]).all()
         covered.extend(rows_of_item)
     assert covered == list(range(rows))  # each row once, in row order
-    # Tiles start at their group's first row (rounded down to ROW_ALIGN): about ceil(n / tile_m)
-    # passes per group, none spent on a fixed row block shared with a neighbour.
-    ends = np.cumsum(sizes)
-    ends[-1] = rows  # the last group runs to `rows`
-    starts = np.concatenate([[0], ends[:-1]])
-    aligned = starts // mosaic_gmm.ROW_ALIGN * mosaic_gmm.ROW_ALIGN
-    assert n == np.where(ends > starts, -(-(ends - aligned) // tile_m), 0).sum()
+    # Tiles start at their group's first row (rounded down to ROW_ALIGN): a group of n rows
+    # takes ceil(n / tile_m) passes, one more at most for the rounding, never more than the
+    # fixed row blocks it touches (where a block shared by two groups costs a pass for each).
+    n_rows = np.bincount(owner, minlength=len(sizes))
+    ends = np.cumsum(n_rows)
+    starts = ends - n_rows
+    passes = np.bincount(group[:n], minlength=len(sizes))
+    assert (passes >= -(-n_rows // tile_m)).all()
+    assert (passes <= -(-(n_rows + mosaic_gmm.ROW_ALIGN - 1) // tile_m)).all()
+    blocks_touched = np.where(n_rows > 0, -(-ends // tile_m) - starts // tile_m, 0)
+    assert (passes <= blocks_touched).all()
 
 
 @given(layouts(), st.integers(1, 6))

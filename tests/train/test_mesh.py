@@ -69,8 +69,8 @@ def test_mesh_run_equals_single_device_run_and_resumes(tmp_path):
 
 
 def test_mesh_run_in_micro_batches_equals_single_device_run(tmp_path):
-    """Batch 16 in two micro-batches of 8 (strided slices of the sharded batch, each split over
-    the 8 devices): the losses and loads of one pass over the batch on one device."""
+    """Batch 16 in two micro-batches of 8 (strided slices of the sharded batch): the losses and
+    loads of one pass over the batch on one device."""
     single = train(MODEL, config(batch_size=16), out_dir=str(tmp_path / "single"))
     micro = train(MODEL, config(batch_size=16, micro_batches=2), out_dir=str(tmp_path), mesh=MESH)
     np.testing.assert_allclose(micro.losses, single.losses, rtol=RTOL)
