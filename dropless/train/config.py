@@ -22,8 +22,8 @@ class TrainConfig:
     micro_batches: int = 1
     """Gradient accumulation: compute each step's gradient in this many passes over equal slices
     of the batch (it must divide `batch_size`; on a mesh, each slice must divide over the batch
-    shards), for batches too large for one pass. The same step as one pass, except that the
-    batch-wise balance loss is taken per slice."""
+    shards), for batches too large for one pass; evaluation runs in the same slices. The same
+    step as one pass, except that the batch-wise balance loss is taken per slice."""
     mesh: str | None = None
     """Device mesh to train on, e.g. 'data=2,expert=4' (axes data, fsdp, expert; their product
     must equal the device count; axes left out have size 1). Parameters and optimiser state are

@@ -194,8 +194,8 @@ def evaluate(
     mesh: Mesh | None = None,
 ) -> dict:
     """Mean loss terms and MaxVio over `train_config.eval_batches` held-out batches (the same
-    batches every time). With `mesh`, `model` must be placed on it (as `train` does) and each
-    batch is split over its batch axes."""
+    batches every time), each in `train_config.micro_batches` passes. With `mesh`, `model`
+    must be placed on it (as `train` does) and each batch is split over its batch axes."""
     weights = hparams(train_config)
     sums: dict[str, float] = {}
     for i in range(train_config.eval_batches):
@@ -207,10 +207,12 @@ def evaluate(
             split="eval",
         )
         _check_batch(batch.tokens, model.config)
+        micro = train_config.micro_batches
         if mesh is None:
-            out = eval_step(model, jnp.asarray(batch.tokens), weights)
+            out = eval_step(model, jnp.asarray(batch.tokens), weights, micro)
         else:
-            out = sharded_eval_step(mesh, model, sharding.shard_batch(batch.tokens, mesh), weights)
+            tokens = sharding.shard_batch(batch.tokens, mesh)
+            out = sharded_eval_step(mesh, model, tokens, weights, micro)
         out = jax.device_get(out)
         for name in ("loss", "ce", "mtp", "balance_loss", "seq_balance_loss", "z_loss", "max_vio"):
             sums[name] = sums.get(name, 0.0) + float(out[name])

@@ -171,16 +171,22 @@ def sharded_eval_step(
     model: DeepSeekV3,
     tokens: Int[Array, "batch window"],
     weights: dict[str, Array],
+    micro_batches: int = 1,
 ) -> dict[str, Array]:
-    """`dropless.train.step.eval_step` on `mesh` (`tokens` split over the batch axes)."""
+    """`dropless.train.step.eval_step` on `mesh` (`tokens` split over the batch axes), each
+    device's share in `micro_batches` passes."""
     axes = sharding.batch_axes(mesh)
     arrays, static = eqx.partition(model, eqx.is_array)
     specs = sharding.param_specs(arrays, mesh)
     loss_fn = _local_loss(mesh)
 
+    def without_gradient(model_and_weights, tokens):
+        return loss_fn(model_and_weights, tokens), None
+
     def local(arrays, weights, tokens):
         model = eqx.combine(sharding.gather_fsdp(arrays, specs), static)
-        loss, (terms, stats) = loss_fn((model, weights), tokens)
+        run = accumulated(without_gradient, micro_batches)
+        (loss, (terms, stats)), _ = run((model, weights), tokens)
         out = {"loss": loss, **terms}
         if axes:
             out = jax.tree.map(lambda a: jax.lax.pmean(a, axes), out)

@@ -256,8 +256,18 @@ def materialized(tree: PyTree) -> PyTree:
 
 @eqx.filter_jit
 def eval_step(
-    model: DeepSeekV3, tokens: Int[Array, "batch window"], weights: dict[str, Float[Array, ""]]
+    model: DeepSeekV3,
+    tokens: Int[Array, "batch window"],
+    weights: dict[str, Float[Array, ""]],
+    micro_batches: int = 1,
 ) -> dict[str, Array]:
-    """Loss, its terms, max_vio and tokens_per_expert of `model` on a batch, no update."""
-    terms, out = loss_terms(model, tokens)
-    return {"loss": total_loss(terms, weights), **terms, **stats_metrics(out)}
+    """Loss, its terms, max_vio and tokens_per_expert of `model` on a batch, no update; in
+    `micro_batches` passes like `train_step`, so that a batch that trains in slices evaluates."""
+
+    def loss_fn(model, tokens):
+        terms, out = loss_terms(model, tokens)
+        stats = (out.moe_stats, out.mtp_moe_stats)
+        return (total_loss(terms, weights), (terms, stats)), None  # no gradient
+
+    (loss, (terms, stats)), _ = accumulated(loss_fn, micro_batches)(model, tokens)
+    return {"loss": loss, **terms, **stats_metrics(loads_only(stats))}

@@ -14,7 +14,14 @@ from dropless.train import optim
 from dropless.train.accumulate import accumulated, micro_batch_slices
 from dropless.train.config import TrainConfig
 from dropless.train.data import SyntheticCorpus
-from dropless.train.step import hparams, init_state, loss_terms, total_loss, train_step
+from dropless.train.step import (
+    eval_step,
+    hparams,
+    init_state,
+    loss_terms,
+    total_loss,
+    train_step,
+)
 
 MODEL = get_preset("tiny", num_hidden_layers=2)  # a dense layer, an MoE layer, an MTP block
 
@@ -102,3 +109,14 @@ def test_train_step_in_micro_batches_matches_one_pass(monkeypatch):
 def test_bad_micro_batches_are_clear_errors(changes, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(TrainConfig(), **changes)
+
+
+def test_eval_step_in_micro_batches_matches_one_pass():
+    model = DeepSeekV3(MODEL, key=jax.random.key(0))
+    weights = hparams(TrainConfig())
+    batch = tokens(4, 24)
+    one = eval_step(model, batch, weights)
+    two = eval_step(model, batch, weights, 2)
+    for name in ("loss", "ce", "mtp", "seq_balance_loss", "z_loss", "max_vio"):
+        np.testing.assert_allclose(two[name], one[name], rtol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(two["tokens_per_expert"], one["tokens_per_expert"])

@@ -75,6 +75,8 @@ def test_mesh_run_in_micro_batches_equals_single_device_run(tmp_path):
     micro = train(MODEL, config(batch_size=16, micro_batches=2), out_dir=str(tmp_path), mesh=MESH)
     np.testing.assert_allclose(micro.losses, single.losses, rtol=RTOL)
     np.testing.assert_array_equal(micro.expert_load, single.expert_load)
+    for name in ("loss", "max_vio"):  # the final evaluation, in slices too
+        np.testing.assert_allclose(micro.final_eval[name], single.final_eval[name], rtol=RTOL)
 
 
 @pytest.mark.parametrize(
