@@ -197,6 +197,7 @@ def evaluate(
     batches every time), each in `train_config.micro_batches` passes. With `mesh`, `model`
     must be placed on it (as `train` does) and each batch is split over its batch axes."""
     weights = hparams(train_config)
+    micro = train_config.micro_batches
     sums: dict[str, float] = {}
     for i in range(train_config.eval_batches):
         batch = dataset.batch(
@@ -207,7 +208,6 @@ def evaluate(
             split="eval",
         )
         _check_batch(batch.tokens, model.config)
-        micro = train_config.micro_batches
         if mesh is None:
             out = eval_step(model, jnp.asarray(batch.tokens), weights, micro)
         else:

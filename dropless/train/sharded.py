@@ -39,9 +39,8 @@ from dropless.train.step import (
     TrainState,
     apply_gradients,
     loads_only,
-    loss_terms,
     stats_metrics,
-    total_loss,
+    weighted_loss,
 )
 
 
@@ -140,9 +139,8 @@ def _local_loss(mesh: Mesh):
 
     def loss_fn(model_and_weights, tokens):
         model, weights = model_and_weights
-        terms, out = loss_terms(model, tokens)
-        stats = (_global_stats(out.moe_stats, axes), _global_stats(out.mtp_moe_stats, axes))
-        return total_loss(terms, weights), (terms, stats)
+        loss, (terms, stats) = weighted_loss(model, tokens, weights)
+        return loss, (terms, tuple(_global_stats(s, axes) for s in stats))
 
     return loss_fn
 

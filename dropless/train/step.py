@@ -191,15 +191,22 @@ def train_step(
     `tokens_per_expert [layers experts]`.
     """
     params, frozen = eqx.partition(state.model, optim.trainable_filter(state.model))
-    weights = state.hparams
 
     def loss_fn(params, tokens):
-        terms, out = loss_terms(eqx.combine(params, frozen), tokens)
-        return total_loss(terms, weights), (terms, (out.moe_stats, out.mtp_moe_stats))
+        return weighted_loss(eqx.combine(params, frozen), tokens, state.hparams)
 
     value_and_grad = accumulated(eqx.filter_value_and_grad(loss_fn, has_aux=True), micro_batches)
     (loss, (terms, stats)), grads = value_and_grad(params, tokens)
     return apply_gradients(state, grads, loads_only(jax.lax.stop_gradient(stats)), loss, terms)
+
+
+def weighted_loss(
+    model: DeepSeekV3, tokens: Int[Array, "batch window"], weights: dict[str, Float[Array, ""]]
+) -> tuple[Float[Array, ""], tuple[dict[str, Float[Array, ""]], tuple[MoEStats, MoEStats]]]:
+    """The loss the optimiser minimises, with (its terms, the MoE statistics of the main stack
+    and of the MTP blocks): what `accumulated` sums over micro-batches."""
+    terms, out = loss_terms(model, tokens)
+    return total_loss(terms, weights), (terms, (out.moe_stats, out.mtp_moe_stats))
 
 
 def loads_only(stats: tuple[MoEStats, MoEStats]) -> ModelOutput:
@@ -265,9 +272,7 @@ def eval_step(
     `micro_batches` passes like `train_step`, so that a batch that trains in slices evaluates."""
 
     def loss_fn(model, tokens):
-        terms, out = loss_terms(model, tokens)
-        stats = (out.moe_stats, out.mtp_moe_stats)
-        return (total_loss(terms, weights), (terms, stats)), None  # no gradient
+        return weighted_loss(model, tokens, weights), None  # no gradient
 
     (loss, (terms, stats)), _ = accumulated(loss_fn, micro_batches)(model, tokens)
     return {"loss": loss, **terms, **stats_metrics(loads_only(stats))}
