@@ -135,17 +135,44 @@ class MLA(eqx.Module):
         return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
     def _cudnn(self, q_nope, q_rope, k_nope, k_rope, v):
-        # cuDNN's fused attention wants one head width for q, k and v, a multiple of 8: zero-pad
-        # them to it (zeros change neither q.k nor p@v) and drop the padding afterwards.
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))
         k = jnp.concatenate([k_nope, k_rope], axis=-1)
-        width = -(-max(q.shape[-1], v.shape[-1]) // 8) * 8
+        return cudnn_attention(q, k, v, self.scale)
 
-        def pad(t):
-            return jnp.pad(t, ((0, 0), (0, 0), (0, 0), (0, width - t.shape[-1])))
 
-        out = jax.nn.dot_product_attention(
-            pad(q), pad(k), pad(v), scale=self.scale, is_causal=True, implementation="cudnn"
-        )
-        return out[..., : v.shape[-1]]
+def cudnn_attention(
+    q: Float[Array, "batch seq heads qk"],
+    k: Float[Array, "batch seq heads qk"],
+    v: Float[Array, "batch seq heads dv"],
+    scale: float,
+    *,
+    mla_widths: bool = True,
+) -> Float[Array, "batch seq heads dv"]:
+    """cuDNN's fused causal attention.
+
+    MLA's value heads are narrower than its query and key heads (DeepSeek-V3: 128 against 192).
+    `jax.nn.dot_product_attention` asks for one width, so the fallback zero-pads q, k and v to
+    a common multiple of 8 (zeros change neither q.k nor p@v) and slices the output, which
+    costs the padded columns in p@v and its gradients plus the copies. cuDNN >= 9.10 on Hopper
+    takes the two widths as they are, through JAX's cuDNN entry point: used when
+    `mla_widths` and both widths are multiples of 8, with the padding as the fallback where
+    that entry point is missing or declines the shapes.
+    """
+    dv = v.shape[-1]
+    if mla_widths and dv != q.shape[-1] and dv % 8 == 0 and q.shape[-1] % 8 == 0:
+        try:
+            from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+            return dot_product_attention(q, k, v, scale=scale, mask_type=MaskType.CAUSAL)
+        except (ImportError, NotImplementedError):
+            pass
+    width = -(-max(q.shape[-1], dv) // 8) * 8
+
+    def pad(t):
+        return jnp.pad(t, ((0, 0), (0, 0), (0, 0), (0, width - t.shape[-1])))
+
+    out = jax.nn.dot_product_attention(
+        pad(q), pad(k), pad(v), scale=scale, is_causal=True, implementation="cudnn"
+    )
+    return out[..., :dv]

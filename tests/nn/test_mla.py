@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.nn.mla import MLA
+from dropless.nn.mla import MLA, cudnn_attention
 
 DIM, HEADS, NOPE, ROPE, V, KV_RANK = 32, 3, 8, 6, 10, 12
 YARN = {
@@ -155,3 +155,42 @@ def test_cudnn_matches_xla():
     want = np.asarray(eqx.filter_jit(mla)(x), np.float32)
     got = np.asarray(eqx.filter_jit(fused)(x), np.float32)
     np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
+
+
+def _causal_attention(q, k, v, scale):
+    """Plain float32 causal softmax attention over `batch seq heads width`."""
+    q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    seq = q.shape[1]
+    scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mla_widths", [True, False])
+def test_cudnn_attention_with_narrow_values_matches_plain_attention(mla_widths):
+    """q and k 24 wide, v 16 (MLA's shape): output and gradients of both cuDNN paths (as they
+    are, and zero-padded to one width) equal plain attention; only the padded one pads."""
+    keys = jax.random.split(jax.random.key(5), 4)
+    q, k = (jax.random.normal(kk, (2, 128, 4, 24), jnp.bfloat16) for kk in keys[:2])
+    v = jax.random.normal(keys[2], (2, 128, 4, 16), jnp.bfloat16)
+    cotangent = jax.random.normal(keys[3], (2, 128, 4, 16), jnp.float32)
+    scale = 24**-0.5
+
+    def loss(attention):
+        return lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * cotangent)
+
+    def fused(q, k, v):
+        return cudnn_attention(q, k, v, scale, mla_widths=mla_widths)
+
+    def plain(q, k, v):
+        return _causal_attention(q, k, v, scale)
+
+    assert (" pad[" in str(jax.make_jaxpr(fused)(q, k, v))) == (not mla_widths)
+    got = jax.jit(jax.value_and_grad(loss(fused), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.value_and_grad(loss(plain), argnums=(0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(
+        np.asarray(fused(q, k, v), np.float32), np.asarray(plain(q, k, v)), rtol=2e-2, atol=2e-2
+    )
+    for g, w in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), rtol=5e-2, atol=5e-2)
