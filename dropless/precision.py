@@ -41,3 +41,31 @@ def _bwd(spec, res, g):
 
 
 _f32_einsum.defvjp(_fwd, _bwd)
+
+
+def cast_for_compute(x: Float[Array, "..."], dtype) -> Float[Array, "..."]:
+    """`x.astype(dtype)` for a weight used only in `dtype`, whose gradient is materialised in
+    `dtype` (an optimisation barrier) and only then cast to x's dtype. Applied to a stack of
+    layer weights, the per-layer gradients are then concatenated in `dtype` (bf16: half the
+    bytes of float32) into one plain buffer, and the cast back fuses into the optimiser's
+    readers (the global norm, AdamW); without the barrier XLA fuses the concatenation itself
+    into each of those readers, a slow kernel on a GPU (docs/benchmarks.md, tenth and eleventh
+    runs). The values are a plain cast's: a bf16 gradient cast to float32 is exact. With `dtype`
+    equal to x's it is the identity with the barrier on the gradient."""
+    return _cast_for_compute(x, jnp.dtype(dtype), x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _cast_for_compute(x, dtype, source_dtype):
+    return x.astype(dtype)
+
+
+def _cast_fwd(x, dtype, source_dtype):
+    return x.astype(dtype), None
+
+
+def _cast_bwd(dtype, source_dtype, _, g):
+    return (jax.lax.optimization_barrier(g.astype(dtype)).astype(source_dtype),)
+
+
+_cast_for_compute.defvjp(_cast_fwd, _cast_bwd)

@@ -226,8 +226,6 @@ def apply_gradients(
     sharded step: the optimiser update, then (outside the gradient, and not an optimiser
     parameter) the expert-bias update from the loads in `out`, and the step's metrics."""
     params, frozen = eqx.partition(state.model, optim.trainable_filter(state.model))
-    if state.model.config.unroll_layers:
-        grads = materialized(grads)
     lr = _learning_rate(state)
     opt_state = optim.with_learning_rate(state.opt_state, lr)
     updates, opt_state = optim.optimizer().update(grads, opt_state, params)
@@ -251,14 +249,6 @@ def apply_gradients(
         "lr": lr,
     }
     return new_state, metrics
-
-
-def materialized(tree: PyTree) -> PyTree:
-    """`tree` as plain buffers that XLA may not fuse into their readers. With unrolled layers a
-    stacked gradient is the concatenation of each layer's; fused into the optimiser's global
-    norms, that concatenation made each a slow kernel on the H200 (docs/benchmarks.md, tenth
-    run). Applied only with unrolled layers: the scan's gradients are plain buffers already."""
-    return jax.lax.optimization_barrier(tree)
 
 
 @eqx.filter_jit

@@ -90,23 +90,3 @@ def test_expert_bias_follows_the_sign_rule():
     moved = np.abs(biases(state.model)[0] - before[0])
     assert moved.max() == pytest.approx(0.01, rel=1e-4)
     np.testing.assert_array_equal(np.asarray(state.expert_load), load)
-
-
-@pytest.mark.parametrize("unroll", [False, True])
-def test_gradients_are_materialised_before_the_optimiser_only_when_unrolled(monkeypatch, unroll):
-    """With unrolled layers a stacked gradient is a concatenation, which XLA would fuse into
-    each of the optimiser's global norms (slow on a GPU); `materialized` stops that. The scan's
-    gradients are plain buffers already, so the scanned step does without it."""
-    from dropless.train import optim, step
-
-    seen = []
-    monkeypatch.setattr(step, "materialized", lambda tree: seen.append(tree) or tree)
-    model = DeepSeekV3(get_preset("tiny", unroll_layers=unroll), key=jax.random.key(0))
-    state = init_state(model, TrainConfig(steps=4))
-    # 16 tokens: a shape no other test compiles, so the step is traced here, with the spy
-    jax.make_jaxpr(train_step)(state, tokens()[:, :17])
-    assert len(seen) == (1 if unroll else 0)
-    if unroll:
-        params, _ = eqx.partition(model, optim.trainable_filter(model))
-        shapes = [a.shape for a in jax.tree.leaves(eqx.filter(seen[0], eqx.is_array))]
-        assert shapes == [a.shape for a in jax.tree.leaves(params)]

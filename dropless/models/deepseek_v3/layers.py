@@ -17,6 +17,7 @@ from dropless.moe import MoE, MoEStats
 from dropless.nn.block import DecoderBlock
 from dropless.nn.mla import MLA
 from dropless.nn.mlp import SwiGLU
+from dropless.precision import cast_for_compute
 
 REMAT: dict[str, Callable | None] = {
     "none": None,
@@ -24,6 +25,14 @@ REMAT: dict[str, Callable | None] = {
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+# The blocks' matmul weights (MLA's projections, the SwiGLU and expert weights): each is cast
+# to the compute dtype where it is used, and used once per layer. The router's weight and the
+# norms' are used in float32 and are not listed.
+MATMUL_WEIGHTS = frozenset(
+    {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
+    | {"w_gate", "w_up", "w_down"}
+)
 
 
 def make_block(
@@ -99,6 +108,13 @@ def scan_blocks(
     if stack is None:
         return x, None
     arrays, static = eqx.partition(stack, eqx.is_array)
+    # Each stacked matmul weight passes `cast_for_compute`, so its gradient leaves the layers
+    # as one materialised buffer, not a concatenation fused into every optimiser reader.
+    # Without remat the layers keep their compute-dtype weights for the backward anyway, so
+    # the cast moves up front here at no memory cost and the gradients stack in that dtype;
+    # under remat the per-layer cast is recomputed instead of holding a copy of every stack,
+    # and the stacks keep their own dtype.
+    arrays = matmul_weights_cast(arrays, x.dtype if REMAT[remat] is None else None)
 
     def body(h, layer_arrays):
         return eqx.combine(layer_arrays, static)(h)
@@ -107,3 +123,17 @@ def scan_blocks(
         # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE.
         body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
     return jax.lax.scan(body, x, arrays, unroll=unroll)
+
+
+def matmul_weights_cast(arrays: eqx.Module, dtype=None) -> eqx.Module:
+    """The stacked `MATMUL_WEIGHTS` of `arrays` through `cast_for_compute` to `dtype` (None:
+    their own), so that the blocks' own casts are no-ops. Other arrays are returned as they
+    are."""
+
+    def cast(path, leaf):
+        name = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None
+        if name in MATMUL_WEIGHTS and eqx.is_inexact_array(leaf):
+            return cast_for_compute(leaf, leaf.dtype if dtype is None else dtype)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(cast, arrays)

@@ -1,0 +1,95 @@
+"""Stacked layers: the matmul weights cast once to the compute dtype before the layer loop, with
+their gradients stacked in that dtype behind a barrier; the gradients are those of the plain
+per-layer casts."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.models.deepseek_v3 import DeepSeekV3, get_preset, layers
+
+
+def _bf16_model(**changes):
+    config = get_preset("tiny", compute_dtype="bfloat16", **changes)
+    return DeepSeekV3(config, key=jax.random.key(0))
+
+
+def _loss(model, tokens):
+    out = model(tokens)
+    return jnp.mean(out.logits.astype(jnp.float32) ** 2) + jnp.mean(out.mtp_logits**2)
+
+
+def _named_leaves(tree):
+    flat = jax.tree_util.tree_leaves_with_path(tree)
+    return {jax.tree_util.keystr(path): leaf for path, leaf in flat if eqx.is_array(leaf)}
+
+
+def test_every_stacked_weight_used_in_the_compute_dtype_is_cast():
+    stack = _bf16_model().moe_layers
+    cast = _named_leaves(layers.matmul_weights_cast(stack, jnp.bfloat16))
+    for name, leaf in _named_leaves(stack).items():
+        matrix = leaf.ndim >= 3 and jnp.issubdtype(leaf.dtype, jnp.floating)
+        in_f32 = "w_router" in name  # routing runs in float32
+        want = jnp.bfloat16 if matrix and not in_f32 else leaf.dtype
+        assert cast[name].dtype == want, name
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_cast_stacks_keep_values_and_gradients(unroll, monkeypatch):
+    """Against the blocks' own per-layer casts (the cast-up-front taken out): the same loss
+    and bitwise the same gradients, since a bf16 gradient cast to float32 is exact and a
+    stacked weight gets one gradient per layer."""
+    model = _bf16_model(unroll_layers=unroll)
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 512)
+    grad = eqx.filter_value_and_grad(_loss)
+    loss, grads = eqx.filter_jit(grad)(model, tokens)
+    monkeypatch.setattr(layers, "matmul_weights_cast", lambda arrays, dtype: arrays)
+    want_loss, want_grads = eqx.filter_jit(grad)(model, tokens)
+    assert loss == want_loss
+    got, want = _named_leaves(grads), _named_leaves(want_grads)
+    for name in want:
+        assert got[name].dtype == want[name].dtype
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_stacked_gradients_pass_a_barrier(remat):
+    """Unrolled, a stacked gradient is a concatenation of per-layer ones; it is materialised
+    behind a barrier, in bf16 when the weights were cast up front (no remat), else in their
+    own float32."""
+    model = _bf16_model(unroll_layers=True, remat=remat)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    jaxpr = jax.make_jaxpr(eqx.filter_grad(_loss))(model, tokens)
+    dtype = jnp.dtype(jnp.bfloat16 if remat == "none" else jnp.float32)
+    stacked = {
+        (leaf.shape, dtype)
+        for name, leaf in _named_leaves(model.moe_layers).items()
+        if name.split(".")[-1] in layers.MATMUL_WEIGHTS
+    }
+
+    def barriers(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "optimization_barrier":
+                yield from ((v.aval.shape, v.aval.dtype) for v in eqn.invars)
+            for param in eqn.params.values():  # scan, custom_vjp, pjit bodies
+                sub = getattr(param, "jaxpr", param)
+                if hasattr(sub, "eqns"):
+                    yield from barriers(sub)
+
+    seen = set(barriers(jaxpr.jaxpr))
+    assert len(stacked) >= 5 and stacked <= seen
+
+
+def test_cast_for_compute_casts_the_gradient_back_exactly():
+    from dropless.precision import cast_for_compute
+
+    x = jnp.linspace(-1, 1, 6, dtype=jnp.float32).reshape(2, 3)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        y, pullback = jax.vjp(lambda x, dtype=dtype: cast_for_compute(x, dtype), x)
+        assert y.dtype == dtype
+        np.testing.assert_array_equal(y, x.astype(dtype))
+        (g,) = pullback(jnp.full(y.shape, 1 / 3, dtype))
+        assert g.dtype == jnp.float32
+        np.testing.assert_array_equal(g, jnp.full(x.shape, 1 / 3, dtype).astype(jnp.float32))
