@@ -106,7 +106,14 @@ def _cross_entropy(
     targets: Int[Array, "batch seq"],
     mask: Bool[Array, "batch seq"] | None = None,
 ) -> Float[Array, ""]:
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    logits = logits.astype(jnp.float32)
+    # The target's logit picked by a one-hot mask, not a gather: the gradient is then one
+    # elementwise expression (softmax minus one-hot) that XLA fuses with its cast to the head's
+    # bf16, where a gather's transpose is a scatter into a float32 [batch seq vocab] buffer
+    # (docs/benchmarks.md, twelfth run). The values are a gather's: a sum of zeros and one logit.
+    is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
+    target_logits = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
+    ce = jax.nn.logsumexp(logits, axis=-1) - target_logits
     if mask is None:
         return ce.mean()
     return jnp.sum(jnp.where(mask, ce, 0.0)) / jnp.maximum(mask.sum(), 1)
