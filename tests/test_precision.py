@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.precision import f32_einsum
+from dropless.precision import cast_for_compute, f32_einsum
 
 SPECS = {
     "bsd,dv->bsv": ((2, 5, 16), (16, 40)),  # the LM head
@@ -57,3 +57,14 @@ def test_mixed_dtypes_are_refused():
     a, b = _operands("bsd,dv->bsv", jnp.float32)
     with pytest.raises(TypeError, match="must share a dtype"):
         f32_einsum("bsd,dv->bsv", a, b.astype(jnp.bfloat16))
+
+
+def test_cast_for_compute_casts_the_gradient_back_exactly():
+    x = jnp.linspace(-1, 1, 6, dtype=jnp.float32).reshape(2, 3)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        y, pullback = jax.vjp(lambda x, dtype=dtype: cast_for_compute(x, dtype), x)
+        assert y.dtype == dtype
+        np.testing.assert_array_equal(y, x.astype(dtype))
+        (g,) = pullback(jnp.full(y.shape, 1 / 3, dtype))
+        assert g.dtype == jnp.float32
+        np.testing.assert_array_equal(g, jnp.full(x.shape, 1 / 3, dtype).astype(jnp.float32))

@@ -80,16 +80,3 @@ def test_stacked_gradients_pass_a_barrier(remat):
 
     seen = set(barriers(jaxpr.jaxpr))
     assert len(stacked) >= 5 and stacked <= seen
-
-
-def test_cast_for_compute_casts_the_gradient_back_exactly():
-    from dropless.precision import cast_for_compute
-
-    x = jnp.linspace(-1, 1, 6, dtype=jnp.float32).reshape(2, 3)
-    for dtype in (jnp.bfloat16, jnp.float32):
-        y, pullback = jax.vjp(lambda x, dtype=dtype: cast_for_compute(x, dtype), x)
-        assert y.dtype == dtype
-        np.testing.assert_array_equal(y, x.astype(dtype))
-        (g,) = pullback(jnp.full(y.shape, 1 / 3, dtype))
-        assert g.dtype == jnp.float32
-        np.testing.assert_array_equal(g, jnp.full(x.shape, 1 / 3, dtype).astype(jnp.float32))
