@@ -8,6 +8,9 @@ matmuls run in float32: on an H200 that is TF32 speed at best, several times slo
 does everywhere else, so the backward matmuls run in that dtype (still accumulated in float32).
 In float32 every cast is a no-op and the gradient is autodiff's. Being a custom VJP, it supports
 reverse-mode autodiff only (no `jax.jvp` / `jax.jacfwd` through it).
+
+`cast_for_compute` is a cast whose gradient is materialised in the compute dtype before it is
+cast back, for weight stacks used only in that dtype (see its docstring).
 """
 
 import functools
@@ -49,7 +52,7 @@ def cast_for_compute(x: Float[Array, "..."], dtype) -> Float[Array, "..."]:
     layer weights, the per-layer gradients are then concatenated in `dtype` (bf16: half the
     bytes of float32) into one plain buffer, and the cast back fuses into the optimiser's
     readers (the global norm, AdamW); without the barrier XLA fuses the concatenation itself
-    into each of those readers, a slow kernel on a GPU (docs/benchmarks.md, tenth and eleventh
+    into each of those readers, a slow kernel on a GPU (docs/benchmarks.md, tenth and twelfth
     runs). The values are a plain cast's: a bf16 gradient cast to float32 is exact. With `dtype`
     equal to x's it is the identity with the barrier on the gradient."""
     return _cast_for_compute(x, jnp.dtype(dtype), x.dtype)

@@ -43,7 +43,7 @@ class DeepSeekV3Config:
     weights at use, norms, softmax and routing stay float32), `remat` ("none" | "full" | "dots" |
     "dots_no_batch", a `jax.checkpoint` policy per scanned layer), `attention_impl` ("xla"
     einsum attention, or "cudnn" fused attention on NVIDIA GPUs) and `unroll_layers` (unroll the
-    scan over layers: no stacking of per-layer residuals and gradients, longer compiles).
+    scan over layers: no stacking of per-layer residuals, longer compiles).
     Training knobs (loss weights, bias update rate) live in `dropless.train.TrainConfig`.
     """
 

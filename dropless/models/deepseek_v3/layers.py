@@ -103,15 +103,17 @@ def scan_blocks(
     unroll: bool = False,
 ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
     """Applies the stacked blocks in order; MoE stats come back with a leading `layers` axis.
-    `unroll` emits every layer inline instead of a loop: per-layer residuals and gradients are
-    then separate buffers rather than slices written into and read from stacks."""
+    `unroll` emits every layer inline instead of a loop: per-layer residuals are then
+    separate buffers rather than slices written into and read from stacks. The stacked matmul
+    weights pass `matmul_weights_cast` first (see the comment below)."""
     if stack is None:
         return x, None
     arrays, static = eqx.partition(stack, eqx.is_array)
     # Each stacked matmul weight passes `cast_for_compute`, so its gradient leaves the layers
     # as one materialised buffer, not a concatenation fused into every optimiser reader.
-    # Without remat the layers keep their compute-dtype weights for the backward anyway, so
-    # the cast moves up front here at no memory cost and the gradients stack in that dtype;
+    # Without remat, a gradient's backward keeps the layers' compute-dtype weights anyway, so
+    # the cast moves up front here at no extra memory (a forward alone, as in evaluation,
+    # holds one compute-dtype copy of the stacks) and the gradients stack in that dtype;
     # under remat the per-layer cast is recomputed instead of holding a copy of every stack,
     # and the stacks keep their own dtype.
     arrays = matmul_weights_cast(arrays, x.dtype if REMAT[remat] is None else None)
