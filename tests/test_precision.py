@@ -68,3 +68,15 @@ def test_cast_for_compute_casts_the_gradient_back_exactly():
         (g,) = pullback(jnp.full(y.shape, 1 / 3, dtype))
         assert g.dtype == jnp.float32
         np.testing.assert_array_equal(g, jnp.full(x.shape, 1 / 3, dtype).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_cast_for_compute_gradient_passes_a_barrier_in_the_compute_dtype(dtype):
+    x = jnp.ones((2, 3), jnp.float32)
+    grad = jax.grad(lambda x: jnp.sum(cast_for_compute(x, dtype).astype(jnp.float32)))
+    barriers = [
+        [v.aval.dtype for v in eqn.invars]
+        for eqn in jax.make_jaxpr(grad)(x).eqns
+        if eqn.primitive.name == "optimization_barrier"
+    ]
+    assert barriers == [[jnp.dtype(dtype)]]
