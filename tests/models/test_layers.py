@@ -91,3 +91,51 @@ def test_stacked_gradients_pass_a_barrier(remat):
     }
     seen = Counter(_barriers(jaxpr.jaxpr))
     assert len(stacked) >= 5 and all(seen[s] >= 1 for s in stacked)
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, nested jaxprs included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            sub = getattr(param, "jaxpr", param)
+            if hasattr(sub, "eqns"):
+                yield from _eqns(sub)
+
+
+def test_unrolled_stacked_gradients_are_written_slice_by_slice():
+    """Unrolled, no stacked gradient is a concatenation of the layers' (a slow fused kernel
+    on a GPU); each is a chain of in-place slice updates."""
+    model = _bf16_model(unroll_layers=True)
+    stacked = {
+        leaf.shape
+        for name, leaf in _named_leaves(model.moe_layers).items()
+        if name.split(".")[-1] in layers.MATMUL_WEIGHTS
+    }
+    jaxpr = jax.make_jaxpr(eqx.filter_grad(_loss))(model, jnp.zeros((1, 8), jnp.int32))
+    built = Counter(
+        (eqn.primitive.name, eqn.outvars[0].aval.shape)
+        for eqn in _eqns(jaxpr.jaxpr)
+        if eqn.outvars and eqn.outvars[0].aval.shape in stacked
+    )
+    n_layers = model.config.n_moe_layers
+    assert len(stacked) >= 5 and n_layers >= 2
+    for shape in stacked:
+        assert built["concatenate", shape] == 0, shape
+        assert built["dynamic_update_slice", shape] >= n_layers, shape
+
+
+def test_split_layers_inverts_stacking():
+    stacked = {"w": jnp.arange(24.0).reshape(3, 2, 4), "i": jnp.arange(3)}
+    parts = layers.split_layers(stacked)
+    assert len(parts) == 3
+    for i, part in enumerate(parts):
+        np.testing.assert_array_equal(part["w"], stacked["w"][i])
+        assert part["i"] == i
+    cotangent = jax.random.normal(jax.random.key(0), (3, 2, 4))
+
+    def loss(w):
+        parts = layers.split_layers({"w": w, "i": stacked["i"]})
+        return sum(jnp.sum(p["w"] * c) for p, c in zip(parts, cotangent, strict=True))
+
+    np.testing.assert_array_equal(jax.grad(loss)(stacked["w"]), cotangent)

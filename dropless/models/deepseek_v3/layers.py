@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Float, PRNGKeyArray
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from dropless.backends import Backend
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
@@ -103,9 +104,9 @@ def scan_blocks(
     unroll: bool = False,
 ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
     """Applies the stacked blocks in order; MoE stats come back with a leading `layers` axis.
-    `unroll` emits every layer inline instead of a loop: per-layer residuals are then
-    separate buffers rather than slices written into and read from stacks. The stacked matmul
-    weights pass `matmul_weights_cast` first (see the comment below)."""
+    `unroll` emits every layer inline instead of a loop (`unrolled_scan`): per-layer residuals
+    are then separate buffers rather than slices written into and read from stacks. The
+    stacked matmul weights pass `matmul_weights_cast` first (see the comment below)."""
     if stack is None:
         return x, None
     arrays, static = eqx.partition(stack, eqx.is_array)
@@ -122,9 +123,57 @@ def scan_blocks(
         return eqx.combine(layer_arrays, static)(h)
 
     if REMAT[remat] is not None:
-        # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE.
-        body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
-    return jax.lax.scan(body, x, arrays, unroll=unroll)
+        # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE; the
+        # unrolled layers need it, or XLA could merge the recomputation into the forward.
+        body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=unroll)
+    if unroll:
+        return unrolled_scan(body, x, arrays)
+    return jax.lax.scan(body, x, arrays)
+
+
+def unrolled_scan(body: Callable, x: Array, stacked: PyTree) -> tuple[Array, PyTree]:
+    """`jax.lax.scan(body, x, stacked)` with every layer inline. A fully unrolled `scan` builds
+    each stacked gradient as one concatenation of the layers' gradients, a slow kernel on a
+    GPU; here `split_layers`' backward writes each layer's gradient into its slice of the
+    stack instead (docs/benchmarks.md, thirteenth run). The body is traced once and called
+    per layer, as a scan's is."""
+    layer = jax.jit(body)
+    ys = []
+    for layer_arrays in split_layers(stacked):
+        x, y = layer(x, layer_arrays)
+        ys.append(y)
+    return x, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *ys)
+
+
+def split_layers(stacked: PyTree) -> list[PyTree]:
+    """The layers of a pytree of stacked arrays, one pytree each (the leading axis indexed).
+    The gradient of a floating stack is written slice by slice into one buffer."""
+    leaves, treedef = jax.tree.flatten(stacked)
+    if not leaves:
+        return []
+    per_leaf = [_split(a) if jnp.issubdtype(a.dtype, jnp.inexact) else tuple(a) for a in leaves]
+    return [jax.tree.unflatten(treedef, layer) for layer in zip(*per_leaf, strict=True)]
+
+
+@jax.custom_vjp
+def _split(a: Array) -> tuple[Array, ...]:
+    return tuple(a[i] for i in range(a.shape[0]))
+
+
+def _split_fwd(a):
+    return _split(a), None
+
+
+def _split_bwd(_, parts):
+    # In-place updates of one buffer (XLA aliases a chain of dynamic_update_slice): about a
+    # third of a fused concatenation's time for the proxy-2b expert stacks on an H200.
+    stacked = jnp.zeros((len(parts), *parts[0].shape), parts[0].dtype)
+    for i, part in enumerate(parts):
+        stacked = jax.lax.dynamic_update_index_in_dim(stacked, part, i, 0)
+    return (stacked,)
+
+
+_split.defvjp(_split_fwd, _split_bwd)
 
 
 def matmul_weights_cast(arrays: eqx.Module, dtype=None) -> eqx.Module:
