@@ -118,9 +118,12 @@ def combine_rows(
     order: Int[Array, " copies"],
     inverse: Int[Array, " copies"],
 ) -> Float[Array, "tokens dim"]:
-    """y[t] = sum_j weights[t, j] * y_rows[inverse[t*k + j]], in float32. The backward is
-    gathers as well: d y_rows[r] = w[order[r]] * dy[order[r] // k], and d weights from the rows."""
-    return _gather_sum(y_rows, inverse.reshape(weights.shape), weights)
+    """y[t] = sum_j weights[t, j] * y_rows[inverse[t*k + j]], summed in float32 and returned in
+    y_rows' dtype. The backward is gathers as well: d y_rows[r] = w[order[r]] * dy[order[r] //
+    k], and d weights from the rows. Returning y_rows' dtype keeps the cotangent dy in it, so
+    the backward gathers each token's dy k times in bf16 rather than in float32 (the same
+    values: a float32 cotangent of a bf16 cast holds bf16 values)."""
+    return _gather_sum(y_rows, inverse.reshape(weights.shape), weights).astype(y_rows.dtype)
 
 
 def _combine_fwd(y_rows, weights, order, inverse):
@@ -131,7 +134,8 @@ def _combine_bwd(res, dy):
     y_rows, weights, order, inverse = res
     tokens, k = weights.shape
     w_rows = weights.reshape(-1)[order]
-    d_rows = (dy[order // k] * w_rows[:, None]).astype(y_rows.dtype)
+    f32 = jnp.float32
+    d_rows = (dy[order // k].astype(f32) * w_rows[:, None].astype(f32)).astype(y_rows.dtype)
     d_weights = _gathered_dots(y_rows, inverse.reshape(tokens, k), dy).astype(weights.dtype)
     return d_rows, d_weights, None, None
 
@@ -169,8 +173,7 @@ class SortDispatcher(AbstractDispatcher):
 
     def _combine(self, y_rows, dispatched, routing):
         plan = dispatched.plan
-        y = combine_rows(y_rows, routing.weights, plan.order, plan.inverse)
-        return y.astype(y_rows.dtype)
+        return combine_rows(y_rows, routing.weights, plan.order, plan.inverse)
 
 
 def default_chunk(rows: int, n_experts: int, per_group: int = 4) -> int:
