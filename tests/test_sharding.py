@@ -245,10 +245,12 @@ def test_train_step_refuses_a_single_device_dispatcher():
 @pytest.mark.parametrize("unroll", [False, True], ids=["scan", "unrolled"])
 def test_deepseek_v3_tiny_sharded_step_equals_unsharded(unroll):
     models = pytest.importorskip("dropless.models.deepseek_v3")
-    # Unrolled: two MoE layers, so that their stacks are split (and gradients written back).
-    layers = 3 if unroll else 2
+    # Unrolled: two MoE layers, so that their stacks are split and their gradients written
+    # back slice by slice. The reference runs the same split, so this checks the sharded
+    # layout (on a CPU the gradient buffer starts as zeros, not uninitialised).
+    n_layers = 3 if unroll else 2
     config = models.get_preset(
-        "tiny", num_hidden_layers=layers, num_nextn_predict_layers=0, unroll_layers=unroll
+        "tiny", num_hidden_layers=n_layers, num_nextn_predict_layers=0, unroll_layers=unroll
     )
     model = models.DeepSeekV3(config, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (8, 9), 0, config.vocab_size)

@@ -227,8 +227,10 @@ def test_remat_keeps_values_and_gradients(policy, model, tokens, value_and_grad)
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_unrolled_layers_keep_values_and_gradients(model, tokens, value_and_grad):
-    unrolled = DeepSeekV3(model.config.replace(unroll_layers=True), key=jax.random.key(0))
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unrolled_layers_keep_values_and_gradients(remat, model, tokens, value_and_grad):
+    config = model.config.replace(unroll_layers=True, remat=remat)
+    unrolled = DeepSeekV3(config, key=jax.random.key(0))
     jaxpr = str(jax.make_jaxpr(loss_fn)(unrolled, tokens))
     # No scan over the MoE stack: its layers are inline.
     assert f"length={model.config.n_moe_layers}" not in jaxpr

@@ -2,15 +2,15 @@
 
 A stack is one `DecoderBlock` whose arrays carry a leading `layers` axis (built with
 `eqx.filter_vmap` over keys); `scan_blocks` runs it with `jax.lax.scan`, so a 61-layer model
-compiles one dense block and one MoE block.
+compiles one dense block and one MoE block, or, with `unroll`, every layer inline
+(`dropless.nn.unroll.unrolled_scan`).
 """
 
 from collections.abc import Callable
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from dropless.backends import Backend
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
@@ -18,6 +18,7 @@ from dropless.moe import MoE, MoEStats
 from dropless.nn.block import DecoderBlock
 from dropless.nn.mla import MLA
 from dropless.nn.mlp import SwiGLU
+from dropless.nn.unroll import unrolled_scan
 from dropless.precision import cast_for_compute
 
 REMAT: dict[str, Callable | None] = {
@@ -111,7 +112,7 @@ def scan_blocks(
         return x, None
     arrays, static = eqx.partition(stack, eqx.is_array)
     # Each stacked matmul weight passes `cast_for_compute`, so its gradient leaves the layers
-    # as one materialised buffer, not a concatenation fused into every optimiser reader.
+    # as one materialised buffer, not stacked inside every optimiser reader by a fusion.
     # Without remat, a gradient's backward keeps the layers' compute-dtype weights anyway, so
     # the cast moves up front here at no extra memory (a forward alone, as in evaluation,
     # holds one compute-dtype copy of the stacks) and the gradients stack in that dtype;
@@ -123,60 +124,13 @@ def scan_blocks(
         return eqx.combine(layer_arrays, static)(h)
 
     if REMAT[remat] is not None:
-        # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE; the
-        # unrolled layers need it, or XLA could merge the recomputation into the forward.
+        # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE.
+        # Unrolled, the layers are straight-line code: without it XLA could merge the
+        # recomputation with the forward, and remat would save nothing.
         body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=unroll)
     if unroll:
         return unrolled_scan(body, x, arrays)
     return jax.lax.scan(body, x, arrays)
-
-
-def unrolled_scan(body: Callable, x: Array, stacked: PyTree) -> tuple[Array, PyTree]:
-    """`jax.lax.scan(body, x, stacked)` with every layer inline. A fully unrolled `scan` builds
-    each stacked gradient as one concatenation of the layers' gradients, a slow kernel on a
-    GPU; here `split_layers`' backward writes each layer's gradient into its slice of the
-    stack instead (docs/benchmarks.md, thirteenth run). The body is traced once and called
-    per layer, as a scan's is."""
-    layer = jax.jit(body)
-    ys = []
-    for layer_arrays in split_layers(stacked):
-        x, y = layer(x, layer_arrays)
-        ys.append(y)
-    return x, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *ys)
-
-
-def split_layers(stacked: PyTree) -> list[PyTree]:
-    """The layers of a pytree of stacked arrays, one pytree each (the leading axis indexed).
-    The gradient of a floating stack is written slice by slice into one buffer."""
-    leaves, treedef = jax.tree.flatten(stacked)
-    if not leaves:
-        return []
-    per_leaf = [_split(a) if jnp.issubdtype(a.dtype, jnp.inexact) else tuple(a) for a in leaves]
-    return [jax.tree.unflatten(treedef, layer) for layer in zip(*per_leaf, strict=True)]
-
-
-@jax.custom_vjp
-def _split(a: Array) -> tuple[Array, ...]:
-    return tuple(a[i] for i in range(a.shape[0]))
-
-
-def _split_fwd(a):
-    return _split(a), None
-
-
-def _split_bwd(_, parts):
-    # In-place updates of one buffer (XLA aliases a chain of dynamic_update_slice; on a GPU
-    # each is a device-to-device copy), in the order the backward produces the layers'
-    # gradients, so each can be written and freed as it comes. Every slice is written, so
-    # the buffer starts uninitialised: `lax.empty` allocates without a fill pass on a GPU
-    # (zeros elsewhere).
-    stacked = jax.lax.empty((len(parts), *parts[0].shape), parts[0].dtype)
-    for i in reversed(range(len(parts))):
-        stacked = jax.lax.dynamic_update_index_in_dim(stacked, parts[i], i, 0)
-    return (stacked,)
-
-
-_split.defvjp(_split_fwd, _split_bwd)
 
 
 def matmul_weights_cast(arrays: eqx.Module, dtype=None) -> eqx.Module:
