@@ -59,18 +59,27 @@ def _split_fwd(a):
 def _split_bwd(_, parts):
     # A chain of dynamic_update_slice on one buffer, which XLA runs in place (on a GPU, device
     # copies and small update fusions), in the order the backward produces the layers'
-    # gradients, so each can be written and freed as it comes. Every slice is written, so the
-    # buffer starts uninitialised: `lax.empty` allocates it without a fill on a GPU (zeros on
-    # a CPU). Under an explicit-sharding mesh it is sharded as the slices are.
-    sharding = jax.typeof(parts[0]).sharding
-    if sharding.mesh.axis_names:
-        sharding = sharding.update(spec=PartitionSpec(None, *sharding.spec))
-    else:
-        sharding = None
-    stacked = jax.lax.empty((len(parts), *parts[0].shape), parts[0].dtype, out_sharding=sharding)
+    # gradients, so each can be written and freed as it comes.
+    stacked = _gradient_buffer(parts[0], len(parts))
     for i in reversed(range(len(parts))):
         stacked = jax.lax.dynamic_update_index_in_dim(stacked, parts[i], i, 0)
     return (stacked,)
+
+
+def _gradient_buffer(like: Array, layers: int) -> Array:
+    """A `[layers, *like.shape]` buffer whose every slice will be written. Uninitialised where
+    that is safe (`lax.empty`: no fill pass on a GPU, zeros on a CPU): under an explicit mesh,
+    sharded as the slices are, and on a single device. Zeros under automatic sharding over
+    several devices: there `lax.empty` is a custom call without a sharding, and whether XLA's
+    partitioner shards it as it does a broadcast is unchecked (JAX's own scan avoids it)."""
+    shape = (layers, *like.shape)
+    sharding = jax.typeof(like).sharding
+    if sharding.mesh.axis_names:
+        spec = sharding.update(spec=PartitionSpec(None, *sharding.spec))
+        return jax.lax.empty(shape, like.dtype, out_sharding=spec)
+    if jax.device_count() == 1:
+        return jax.lax.empty(shape, like.dtype)
+    return jnp.zeros(shape, like.dtype)
 
 
 _split.defvjp(_split_fwd, _split_bwd)

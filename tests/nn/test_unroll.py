@@ -88,7 +88,21 @@ def test_unrolled_scan_under_an_explicit_mesh():
             h, _ = scan(lambda h, a: (jnp.tanh(h @ a), None), x, w)
             return jnp.sum(h)
 
-        got = jax.jit(jax.grad(lambda w: loss(unrolled_scan, w)))(w)
+        grad = jax.grad(lambda w: loss(unrolled_scan, w))
+        got = jax.jit(grad)(w)
         want = jax.jit(jax.grad(lambda w: loss(jax.lax.scan, w)))(w)
         assert jax.typeof(got).sharding.spec == jax.typeof(w).sharding.spec
         np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert "empty" in _primitives(grad, w)  # no fill: the buffer's sharding is known
+
+
+def _primitives(f, *args) -> set[str]:
+    return {eqn.primitive.name for eqn in jax.make_jaxpr(f)(*args).jaxpr.eqns}
+
+
+def test_gradient_buffer_is_zeros_under_automatic_sharding():
+    """Over several devices without an explicit mesh, the buffer is a broadcast of zeros, which
+    XLA's partitioner shards, not an uninitialised custom call with no sharding."""
+    assert jax.device_count() > 1  # tests/conftest.py: 8 CPU devices
+    grad = jax.grad(lambda w: jnp.sum(jnp.stack(split_layers(w)) ** 2))
+    assert "empty" not in _primitives(grad, jnp.ones((3, 4)))
