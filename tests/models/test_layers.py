@@ -28,15 +28,27 @@ def _named_leaves(tree):
     return {jax.tree_util.keystr(path): leaf for path, leaf in flat if eqx.is_array(leaf)}
 
 
-def _barriers(jaxpr):
-    """(shape, dtype) of every optimisation barrier's operand, nested jaxprs included."""
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, nested jaxprs included."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "optimization_barrier":
-            yield from ((v.aval.shape, v.aval.dtype) for v in eqn.invars)
+        yield eqn
         for param in eqn.params.values():  # scan, custom_vjp, pjit bodies
             sub = getattr(param, "jaxpr", param)
             if hasattr(sub, "eqns"):
-                yield from _barriers(sub)
+                yield from _eqns(sub)
+
+
+def _barriers(jaxpr):
+    """(shape, dtype) of every optimisation barrier's operand, nested jaxprs included."""
+    for eqn in _eqns(jaxpr):
+        if eqn.primitive.name == "optimization_barrier":
+            yield from ((v.aval.shape, v.aval.dtype) for v in eqn.invars)
+
+
+def _stacked_matmul_weights(model):
+    """The MoE stack's `MATMUL_WEIGHTS` leaves."""
+    leaves = _named_leaves(model.moe_layers)
+    return [leaf for name, leaf in leaves.items() if name.split(".")[-1] in layers.MATMUL_WEIGHTS]
 
 
 def test_every_stacked_weight_used_in_the_compute_dtype_is_cast():
@@ -84,34 +96,16 @@ def test_stacked_gradients_pass_a_barrier(remat):
     tokens = jnp.zeros((1, 8), jnp.int32)
     jaxpr = jax.make_jaxpr(eqx.filter_grad(_loss))(model, tokens)
     dtype = jnp.dtype(jnp.bfloat16 if remat == "none" else jnp.float32)
-    stacked = {
-        (leaf.shape, dtype)
-        for name, leaf in _named_leaves(model.moe_layers).items()
-        if name.split(".")[-1] in layers.MATMUL_WEIGHTS
-    }
+    stacked = {(leaf.shape, dtype) for leaf in _stacked_matmul_weights(model)}
     seen = Counter(_barriers(jaxpr.jaxpr))
     assert len(stacked) >= 5 and all(seen[s] >= 1 for s in stacked)
-
-
-def _eqns(jaxpr):
-    """Every equation of a jaxpr, nested jaxprs included."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            sub = getattr(param, "jaxpr", param)
-            if hasattr(sub, "eqns"):
-                yield from _eqns(sub)
 
 
 def test_unrolled_stacked_gradients_are_written_slice_by_slice():
     """Unrolled, no stacked gradient is a concatenation of the layers' (a slow fused kernel
     on a GPU); each is a chain of in-place slice updates."""
     model = _bf16_model(unroll_layers=True)
-    stacked = {
-        leaf.shape
-        for name, leaf in _named_leaves(model.moe_layers).items()
-        if name.split(".")[-1] in layers.MATMUL_WEIGHTS
-    }
+    stacked = {leaf.shape for leaf in _stacked_matmul_weights(model)}
     jaxpr = jax.make_jaxpr(eqx.filter_grad(_loss))(model, jnp.zeros((1, 8), jnp.int32))
     built = Counter(
         (eqn.primitive.name, eqn.outvars[0].aval.shape)
