@@ -129,10 +129,30 @@ def score(
     return jnp.sqrt(jnp.maximum(jax.nn.softplus(logits), jnp.finfo(logits.dtype).tiny))
 
 
-def _top_k(values: Float[Array, "tokens n"], k: int) -> Int[Array, "tokens k"]:
-    # lax.top_k is stable: equal values come out lowest index first, so ties go to the
-    # lowest expert (or group) id, deterministically.
-    return jax.lax.top_k(values, k)[1]
+def _sortable_key(values: Float[Array, "*batch n"]) -> Int[Array, "*batch n"]:
+    """float32 values as int32 keys in the same order (the IEEE total order: -0.0 just below
+    +0.0, -inf above every negative NaN), so an argmax over keys is exact for any input."""
+    bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _top_k(values: Float[Array, "*batch n"], k: int) -> Int[Array, "*batch k"]:
+    """Indices of the k largest values, largest first; ties go to the lowest index (expert or
+    group id), deterministically, as in `jax.lax.top_k`.
+
+    k rounds of argmax, each taking its winner out of the running by giving it the smallest
+    key (below every value, -inf included). For the small k of routing this is k fused
+    reductions; `jax.lax.top_k` lowers to a sort on the GPU (docs/benchmarks.md).
+    """
+    key = _sortable_key(values)
+    position = jax.lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
+    taken = jnp.iinfo(jnp.int32).min
+    ids = []
+    for _ in range(k):
+        best = jnp.argmax(key, axis=-1).astype(jnp.int32)
+        ids.append(best)
+        key = jnp.where(position == best[..., None], taken, key)
+    return jnp.stack(ids, axis=-1)
 
 
 class JnpTopK(AbstractTopK):
@@ -170,7 +190,7 @@ def _limit_to_top_groups(
     if spec.group_score == "max":
         group_scores = grouped.max(-1)
     else:
-        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        group_scores = jnp.take_along_axis(grouped, _top_k(grouped, 2), axis=-1).sum(-1)
     keep = _top_k(group_scores, spec.topk_group)
     group_mask = jax.nn.one_hot(keep, spec.n_group, dtype=jnp.int32).sum(1) > 0
     return jnp.where(group_mask[:, :, None], grouped, -jnp.inf).reshape(choice.shape)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dropless.routing import JnpTopK, RoutingSpec, TopKRouter
+from dropless.routing import JnpTopK, RoutingSpec, TopKRouter, _top_k
 
 # (experts, k, n_group, topk_group): a small set so jit compiles stay few.
 SHAPES = [(8, 2, 1, 1), (16, 4, 4, 2), (16, 3, 2, 1), (32, 8, 8, 4), (6, 6, 1, 1), (12, 2, 6, 3)]
@@ -155,6 +155,29 @@ def test_ties_break_to_lowest_expert_id():
     spec = RoutingSpec(16, 6, "softmax", n_group=4, topk_group=2)
     r = JnpTopK()(jnp.zeros((5, 16)), None, spec)
     np.testing.assert_array_equal(r.expert_ids, np.tile([0, 1, 2, 3, 4, 5], (5, 1)))
+
+
+# Few distinct values, so rows are full of ties, signed zeros and infinities.
+_TIE_POOL = [-np.inf, -1.5, -0.0, 0.0, 0.25, 0.25, 3.0, np.inf]
+
+
+@given(
+    st.sampled_from([(7, 1), (8, 4), (64, 6), (8, 8), (256, 8)]),
+    st.integers(1, 3),
+    st.integers(0, 2**31 - 1),
+)
+def test_top_k_equals_lax_top_k_with_ties_and_infinities(n_k, batch_dims, seed):
+    """The k-round argmax gives exactly `jax.lax.top_k`'s indices (largest first, lowest index
+    among equals, -0.0 below +0.0), also where several values are -inf, as masked groups are."""
+    n, k = n_k
+    rng = np.random.default_rng(seed)
+    shape = (3, 2, 5)[:batch_dims] + (n,)
+    values = np.asarray(_TIE_POOL, np.float32)[rng.integers(0, len(_TIE_POOL), shape)]
+    values[..., rng.integers(0, n, size=n // 2)] = -np.inf  # more -inf than n - k at times
+    got = _top_k(jnp.asarray(values), k)
+    want = jax.lax.top_k(jnp.asarray(values), k)[1]
+    assert got.shape == shape[:-1] + (k,) and got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, want)
 
 
 def test_router_gets_gradients_through_weights_only():
