@@ -58,10 +58,10 @@ def profile(
     hlo_text: str,
     steps: int = 2,
     trace_copy: pathlib.Path | None = None,
-    top: int = 25,
+    top: int | None = 25,
 ) -> tuple[list[dict], list[dict]]:
     """Profile `steps` calls of `run` (each must block); return (per-scope rows, the `top`
-    kernels by time)."""
+    kernels by time, all of them with top=None)."""
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             for _ in range(steps):
@@ -94,3 +94,30 @@ def profile(
         for (k, op), t in by_kernel.most_common(top)
     ]
     return scopes, kernels
+
+
+def _layer_free(name: str) -> str:
+    """A kernel or op name without the per-instance suffixes (`.12`, `_3`, `.clone`) that
+    differ between the layers of an unrolled model."""
+    return re.sub(r"([._](\d+|clone))+$", "", name)
+
+
+def ops_by_scope(kernels: list[dict], hlo_text: str, top: int = 12) -> dict[str, list[dict]]:
+    """`profile`'s kernel rows (pass top=None there) summed per scope by (kernel, the JAX op
+    behind it), so that the same kernel in every layer is one row: per scope, the `top` rows
+    by time, each with its launches in the profiled steps."""
+    names = op_names(hlo_text)
+    time = collections.defaultdict(collections.Counter)
+    launches = collections.defaultdict(collections.Counter)
+    for r in kernels:
+        op = names.get(r["hlo op"], "?").split("/")[-1]
+        key = (_layer_free(r["kernel"])[:40], _layer_free(op)[-70:])
+        time[r["scope"]][key] += r["ms/step"]
+        launches[r["scope"]][key] += 1
+    return {
+        scope: [
+            {"kernel": k, "op": op, "kernels": launches[scope][(k, op)], "ms/step": ms}
+            for (k, op), ms in counter.most_common(top)
+        ]
+        for scope, counter in time.items()
+    }

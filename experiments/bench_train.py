@@ -59,11 +59,15 @@ def bench(config, backend, batch, seq, steps, profile_to=None, profile_top=25, m
             state, metrics = train_step(state, tokens, micro_batches)
             jax.block_until_ready(metrics["loss"])
 
-        scopes, kernels = _profile.profile(
-            run, hlo, trace_copy=profile_to.with_suffix(".json.gz"), top=profile_top
+        scopes, all_kernels = _profile.profile(
+            run, hlo, trace_copy=profile_to.with_suffix(".json.gz"), top=None
         )
         print_table(scopes, f"{backend}: device time per step by scope")
+        kernels = all_kernels[:profile_top]
         print_table(kernels, f"{backend}: top kernels")
+        by_op = _profile.ops_by_scope(all_kernels, hlo)
+        for row in scopes[:12]:
+            print_table(by_op[row["scope"]], f"{row['scope']}: kernels by op, layers merged")
         write_results(profile_to.parent, profile_to.name, scopes + kernels, {"backend": backend})
     return statistics.median(times), float(metrics["loss"])
 
@@ -83,7 +87,9 @@ def main():
     parser.add_argument("--remat", default="none")
     parser.add_argument("--attention-impl", default="xla", choices=("xla", "cudnn"))
     parser.add_argument("--unroll-layers", action="store_true", help="unroll the layer scan")
-    parser.add_argument("--profile", action="store_true", help="print device time per scope")
+    parser.add_argument(
+        "--profile", action="store_true", help="print device time per scope and its kernels by op"
+    )
     parser.add_argument("--profile-top", type=int, default=25, help="kernels listed by --profile")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_train"))
     args = parser.parse_args()

@@ -88,6 +88,16 @@ def test_profile_attributes_time_to_named_scopes_and_directions(tmp_path):
     assert {"attention", "head (bwd)"} <= timed, scopes
     assert abs(sum(r["share"] for r in scopes) - 1) < 1e-6
     assert kernels and (tmp_path / "t.json.gz").stat().st_size > 0
+    # top=None lists every kernel; grouped by op they add back up to each scope's time
+    _, every = profile.profile(lambda: jax.block_until_ready(step(w, x)), hlo, top=None)
+    by_op = profile.ops_by_scope(every, hlo, top=10_000)
+    for scope, rows in by_op.items():
+        want = sum(r["ms/step"] for r in every if r["scope"] == scope)
+        assert abs(sum(r["ms/step"] for r in rows) - want) < 1e-9, scope
+        assert all(r["kernels"] >= 1 for r in rows), rows
+    assert {"attention", "head (bwd)"} <= set(by_op)
+    assert all(r["op"] != "?" for r in by_op["attention"])  # named scopes come from op names
+    assert profile._layer_free("fusion.12.clone_3") == "fusion"
 
 
 def test_tile_search_rejects_inexact_tilings(tmp_path, monkeypatch, capsys):
