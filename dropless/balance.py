@@ -1,5 +1,7 @@
 """Load balancing: auxiliary losses, routing statistics and the aux-loss-free bias update."""
 
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -7,11 +9,35 @@ from jaxtyping import Array, Float, Int
 from dropless.routing import Routing
 
 
+def expert_counts(
+    expert_ids: Int[Array, "*copies"],
+    n_experts: int,
+    method: Literal["auto", "scatter", "compare"] = "auto",
+) -> Int[Array, " experts"]:
+    """How many copies each expert receives, in int32.
+
+    "scatter": a bincount (scatter-add). "compare": each id compared with every expert and
+    summed, one fused reduction of copies x experts. "auto": scatter on the CPU, compare on
+    accelerators, where the scatter's atomic adds into few bins serialise (H200, 98,304 copies
+    into 64 experts: 29 us per count, docs/benchmarks.md). The dispatcher's group sizes and the
+    routing statistics both count through here, so XLA computes the count once per layer.
+    """
+    flat = expert_ids.reshape(-1)
+    if method == "auto":
+        method = "scatter" if jax.default_backend() == "cpu" else "compare"
+    if method == "scatter":
+        return jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    if method == "compare":
+        experts = jnp.arange(n_experts, dtype=flat.dtype)
+        return (flat[:, None] == experts).sum(0, dtype=jnp.int32)
+    raise ValueError(f"expert_counts: method={method!r} must be 'auto', 'scatter' or 'compare'")
+
+
 def tokens_per_expert(
     expert_ids: Int[Array, "tokens k"], n_experts: int
 ) -> Float[Array, " experts"]:
     """How many (token, expert) copies each expert receives."""
-    return jnp.zeros((n_experts,), jnp.float32).at[expert_ids.reshape(-1)].add(1.0)
+    return expert_counts(expert_ids, n_experts).astype(jnp.float32)
 
 
 def max_violation(counts: Float[Array, " experts"]) -> Float[Array, ""]:

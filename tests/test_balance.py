@@ -2,6 +2,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dropless import balance
 from dropless.routing import JnpTopK, Routing, RoutingSpec
@@ -19,6 +21,25 @@ def test_counts_and_maxvio():
     np.testing.assert_array_equal(counts, [3, 2, 1, 0])
     np.testing.assert_allclose(balance.max_violation(counts), 3 / 1.5 - 1)
     np.testing.assert_allclose(balance.max_violation(jnp.ones(8) * 5), 0.0)
+
+
+@given(
+    st.lists(st.integers(0, 63), min_size=1, max_size=300),
+    st.sampled_from([1, 2, 3]),
+    st.sampled_from(["scatter", "compare", "auto"]),
+)
+def test_expert_counts_equal_numpy_bincount_by_either_method(ids, k, method):
+    """All tokens on one expert and empty experts included (hypothesis shrinks toward them)."""
+    ids = np.resize(np.asarray(ids, np.int32), (len(ids), k))
+    counts = balance.expert_counts(jnp.asarray(ids), 64, method)
+    assert counts.dtype == jnp.int32
+    np.testing.assert_array_equal(counts, np.bincount(ids.reshape(-1), minlength=64))
+
+
+def test_expert_counts_names_a_bad_method():
+    # the tests' type checker names the parameter first; without it the ValueError does
+    with pytest.raises((ValueError, TypeError), match="method"):
+        balance.expert_counts(jnp.zeros(4, jnp.int32), 8, "atomic")
 
 
 def test_balance_losses_are_one_when_balanced_and_larger_when_not():

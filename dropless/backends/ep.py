@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from dropless.backends.jnp import ChunkedGroupedMatmul, permute_rows
+from dropless.balance import expert_counts
 from dropless.dispatch import AbstractDispatcher, Dispatched
 from dropless.routing import JnpTopK
 
@@ -272,7 +273,7 @@ class AllToAllDispatcher(AbstractDispatcher):
         sorted_x = permute_rows(copies, order, inverse)
 
         # 2. exchange counts: counts[q, d, l] = copies source q sends local expert l of device d
-        own = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
+        own = expert_counts(flat_ids, n_experts)
         counts = jax.lax.all_gather(own, self.axis_name).reshape(ep, ep, local)
         pair = counts.sum(-1)  # [source, destination]
         send_start = _exclusive_cumsum(pair)  # where each destination block starts, per source

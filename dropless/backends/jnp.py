@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from dropless.balance import expert_counts
 from dropless.dispatch import AbstractDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul
 
@@ -168,7 +169,7 @@ class SortDispatcher(AbstractDispatcher):
         order = _sort_by_expert(flat_ids, n_experts)
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
         rows = expand_rows(x, order, inverse)
-        group_sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
+        group_sizes = expert_counts(flat_ids, n_experts)
         return Dispatched(rows=rows, group_sizes=group_sizes, plan=SortPlan(order, inverse))
 
     def _combine(self, y_rows, dispatched, routing):
