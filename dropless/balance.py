@@ -1,5 +1,6 @@
 """Load balancing: auxiliary losses, routing statistics and the aux-loss-free bias update."""
 
+import functools
 from typing import Literal
 
 import jax
@@ -14,23 +15,36 @@ def expert_counts(
     n_experts: int,
     method: Literal["auto", "scatter", "compare"] = "auto",
 ) -> Int[Array, " experts"]:
-    """How many copies each expert receives, in int32.
+    """How many copies each expert receives, in int32; ids outside [0, n_experts) count for
+    no expert.
 
     "scatter": a bincount (scatter-add). "compare": each id compared with every expert and
-    summed, one fused reduction of copies x experts. "auto": scatter on the CPU, compare on
-    accelerators, where the scatter's atomic adds into few bins serialise (H200, 98,304 copies
-    into 64 experts: 29 us per count, docs/benchmarks.md). The dispatcher's group sizes and the
-    routing statistics both count through here, so XLA computes the count once per layer.
+    summed, one fused reduction of copies x experts. "auto": scatter where the computation is
+    lowered for the CPU, compare elsewhere: on a GPU the scatter's atomic adds into a few bins
+    serialise (H200, 98,304 copies into 64 experts: 29.5 us per count against 3.7,
+    docs/benchmarks.md). The dispatcher's group sizes and the routing statistics both count
+    through here, so XLA can compute the count once per layer.
     """
-    flat = expert_ids.reshape(-1)
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    scatter = functools.partial(_count_by_scatter, n_experts=n_experts)
+    compare = functools.partial(_count_by_compare, n_experts=n_experts)
     if method == "auto":
-        method = "scatter" if jax.default_backend() == "cpu" else "compare"
+        return jax.lax.platform_dependent(flat, cpu=scatter, default=compare)
     if method == "scatter":
-        return jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+        return scatter(flat)
     if method == "compare":
-        experts = jnp.arange(n_experts, dtype=flat.dtype)
-        return (flat[:, None] == experts).sum(0, dtype=jnp.int32)
+        return compare(flat)
     raise ValueError(f"expert_counts: method={method!r} must be 'auto', 'scatter' or 'compare'")
+
+
+def _count_by_scatter(ids: Int[Array, " copies"], n_experts: int) -> Int[Array, " experts"]:
+    # bincount clips negative ids to 0; sent past the end, they are dropped like the others
+    ids = jnp.where(ids < 0, n_experts, ids)
+    return jnp.bincount(ids, length=n_experts).astype(jnp.int32)
+
+
+def _count_by_compare(ids: Int[Array, " copies"], n_experts: int) -> Int[Array, " experts"]:
+    return (ids[:, None] == jnp.arange(n_experts, dtype=jnp.int32)).sum(0, dtype=jnp.int32)
 
 
 def tokens_per_expert(

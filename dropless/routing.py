@@ -130,28 +130,37 @@ def score(
 
 
 def _sortable_key(values: Float[Array, "*batch n"]) -> Int[Array, "*batch n"]:
-    """float32 values as int32 keys in the same order (the IEEE total order: -0.0 just below
-    +0.0, -inf above every negative NaN), so an argmax over keys is exact for any input."""
+    """Values as int32 keys in the same order as float32's IEEE total order (-0.0 just below
+    +0.0, NaNs beyond the infinities by sign and payload). Routing's scores are float32; other
+    float dtypes are compared as float32."""
     bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+_TAKEN = jnp.iinfo(jnp.int32).min  # the key of an index already chosen: below every value's
 
 
 def _top_k(values: Float[Array, "*batch n"], k: int) -> Int[Array, "*batch k"]:
     """Indices of the k largest values, largest first; ties go to the lowest index (expert or
     group id), deterministically, as in `jax.lax.top_k`.
 
-    k rounds of argmax, each taking its winner out of the running by giving it the smallest
-    key (below every value, -inf included). For the small k of routing this is k fused
-    reductions; `jax.lax.top_k` lowers to a sort on the GPU (docs/benchmarks.md).
+    k rounds of argmax over `_sortable_key`s, each winner then given the key `_TAKEN`, so the
+    k indices are always distinct. For the small k of routing this is k fused reductions,
+    where `jax.lax.top_k` lowers to a sort on the GPU (docs/benchmarks.md). The same indices as
+    `lax.top_k` for every input (-inf, signed zeros and NaN included) but one: the all-ones
+    NaN bit pattern, the lowest value of the total order, shares its key with the NaN just
+    above it (0xFFFFFFFE), to leave `_TAKEN` to chosen indices.
     """
-    key = _sortable_key(values)
+    n = values.shape[-1]
+    if not 0 < k <= n:
+        raise ValueError(f"top-k: k={k} must be in [1, {n}] (the last axis' size)")
+    key = jnp.maximum(_sortable_key(values), _TAKEN + 1)
     position = jax.lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
-    taken = jnp.iinfo(jnp.int32).min
     ids = []
     for _ in range(k):
         best = jnp.argmax(key, axis=-1).astype(jnp.int32)
         ids.append(best)
-        key = jnp.where(position == best[..., None], taken, key)
+        key = jnp.where(position == best[..., None], _TAKEN, key)
     return jnp.stack(ids, axis=-1)
 
 

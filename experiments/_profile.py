@@ -104,19 +104,24 @@ def _layer_free(name: str) -> str:
 
 def ops_by_scope(kernels: list[dict], hlo_text: str, top: int = 12) -> dict[str, list[dict]]:
     """`profile`'s kernel rows (pass top=None there) summed per scope by (kernel, the JAX op
-    behind it), so that the same kernel in every layer is one row: per scope, the `top` rows
-    by time, each with its launches in the profiled steps."""
+    behind it), so that the same kernel in every layer is one row: per scope, the `top` rows by
+    time, each with how many (kernel, HLO instruction) rows it merged (about one per layer)."""
     names = op_names(hlo_text)
     time = collections.defaultdict(collections.Counter)
-    launches = collections.defaultdict(collections.Counter)
+    merged = collections.defaultdict(collections.Counter)
     for r in kernels:
-        op = names.get(r["hlo op"], "?").split("/")[-1]
-        key = (_layer_free(r["kernel"])[:40], _layer_free(op)[-70:])
+        op = _layer_free(names.get(r["hlo op"], "?").split("/")[-1])
+        key = (_layer_free(r["kernel"]), op)
         time[r["scope"]][key] += r["ms/step"]
-        launches[r["scope"]][key] += 1
+        merged[r["scope"]][key] += 1
     return {
         scope: [
-            {"kernel": k, "op": op, "kernels": launches[scope][(k, op)], "ms/step": ms}
+            {
+                "kernel": k[:40],
+                "op": op[-70:],
+                "instructions": merged[scope][(k, op)],
+                "ms/step": ms,
+            }
             for (k, op), ms in counter.most_common(top)
         ]
         for scope, counter in time.items()

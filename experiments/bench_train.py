@@ -22,6 +22,8 @@ from dropless.backends import BackendUnavailableError
 from dropless.models.deepseek_v3 import DeepSeekV3, count_params, get_preset
 from dropless.train import TrainConfig, init_state, train_step
 
+SCOPES_BY_OP = 12  # --profile lists the kernels by op of this many of the costliest scopes
+
 
 def flops_per_token(config, seq: int) -> float:
     counts = count_params(config)
@@ -66,7 +68,7 @@ def bench(config, backend, batch, seq, steps, profile_to=None, profile_top=25, m
         kernels = all_kernels[:profile_top]
         print_table(kernels, f"{backend}: top kernels")
         by_op = _profile.ops_by_scope(all_kernels, hlo)
-        for row in scopes[:12]:
+        for row in scopes[:SCOPES_BY_OP]:
             print_table(by_op[row["scope"]], f"{row['scope']}: kernels by op, layers merged")
         write_results(profile_to.parent, profile_to.name, scopes + kernels, {"backend": backend})
     return statistics.median(times), float(metrics["loss"])

@@ -29,11 +29,32 @@ def test_counts_and_maxvio():
     st.sampled_from(["scatter", "compare", "auto"]),
 )
 def test_expert_counts_equal_numpy_bincount_by_either_method(ids, k, method):
-    """All tokens on one expert and empty experts included (hypothesis shrinks toward them)."""
+    """Short lists put all copies on a few experts and leave most empty."""
     ids = np.resize(np.asarray(ids, np.int32), (len(ids), k))
     counts = balance.expert_counts(jnp.asarray(ids), 64, method)
     assert counts.dtype == jnp.int32
     np.testing.assert_array_equal(counts, np.bincount(ids.reshape(-1), minlength=64))
+
+
+@pytest.mark.parametrize("method", ["scatter", "compare", "auto"])
+def test_expert_counts_drop_ids_out_of_range_and_take_narrow_int_ids(method):
+    ids = jnp.asarray([-1, 0, 3, 4, 9, -7, 3], jnp.int32)
+    np.testing.assert_array_equal(balance.expert_counts(ids, 4, method), [1, 0, 0, 2])
+    # int8 ids with more experts than int8 holds: no expert id may wrap onto a small one
+    narrow = jnp.asarray([1, 2, 100], jnp.int8)
+    want = np.zeros(300, np.int32)
+    want[[1, 2, 100]] = 1
+    np.testing.assert_array_equal(balance.expert_counts(narrow, 300, method), want)
+
+
+def test_expert_counts_auto_scatters_on_the_cpu_and_compares_on_a_gpu():
+    """The choice is made where the count is lowered, not by the default device: lowered for
+    the CPU a scatter-add, for CUDA none (checked on this machine, no GPU needed)."""
+    traced = jax.jit(lambda ids: balance.expert_counts(ids, 64)).trace(
+        jax.ShapeDtypeStruct((1000,), jnp.int32)
+    )
+    assert "scatter" in traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "scatter" not in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_expert_counts_names_a_bad_method():

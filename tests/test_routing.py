@@ -157,8 +157,10 @@ def test_ties_break_to_lowest_expert_id():
     np.testing.assert_array_equal(r.expert_ids, np.tile([0, 1, 2, 3, 4, 5], (5, 1)))
 
 
-# Few distinct values, so rows are full of ties, signed zeros and infinities.
-_TIE_POOL = [-np.inf, -1.5, -0.0, 0.0, 0.25, 0.25, 3.0, np.inf]
+# Few distinct values, so rows are full of ties, signed zeros, infinities and NaNs of both
+# signs (their order is IEEE's total order: by sign, then payload).
+_NANS = np.array([0x7FC00000, 0x7FFFFFFF, 0xFFC00000, 0xFFFFFFF0], np.uint32).view(np.float32)
+_TIE_POOL = [-np.inf, -1.5, -0.0, 0.0, 0.25, 0.25, 3.0, np.inf, *_NANS]
 
 
 @given(
@@ -178,6 +180,16 @@ def test_top_k_equals_lax_top_k_with_ties_and_infinities(n_k, batch_dims, seed):
     want = jax.lax.top_k(jnp.asarray(values), k)[1]
     assert got.shape == shape[:-1] + (k,) and got.dtype == jnp.int32
     np.testing.assert_array_equal(got, want)
+
+
+def test_top_k_keeps_ids_distinct_for_the_all_ones_nan_and_checks_k():
+    """The one key shared by two values (the all-ones NaN and its neighbour) must not be the
+    taken key: every row still gets k distinct ids."""
+    nan = np.array([0xFFFFFFFF, 0xFFFFFFFE], np.uint32).view(np.float32)
+    values = jnp.asarray([[nan[0], 1.0, nan[0], nan[1]]])
+    np.testing.assert_array_equal(np.sort(_top_k(values, 4), -1), [[0, 1, 2, 3]])
+    with pytest.raises(ValueError, match="k=5 must be in"):
+        _top_k(values, 5)
 
 
 def test_router_gets_gradients_through_weights_only():
