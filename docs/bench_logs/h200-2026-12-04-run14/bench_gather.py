@@ -27,24 +27,24 @@ def from_words(a):
 
 
 variants = {
-    "fill of the output (write floor)": lambda x, i: jnp.broadcast_to(x[:1], rows.shape),
-    "copy of the output bytes (read + write)": lambda x, i: rows + jnp.bfloat16(1),
-    "x[i] (library)": lambda x, i: x[i],
-    "x.at[i].get(promise_in_bounds)": lambda x, i: x.at[i].get(mode="promise_in_bounds"),
-    "take(mode=clip)": lambda x, i: jnp.take(x, i, axis=0, mode="clip"),
-    "as uint32 words": lambda x, i: from_words(as_words(x)[i]),
-    "x[i] * w, as the combine's backward": lambda x, i: (
+    "fill of the output (write floor)": lambda x, i, r: jnp.broadcast_to(x[:1], r.shape),
+    "copy of the output bytes (read + write)": lambda x, i, r: r + jnp.bfloat16(1),
+    "x[i] (library)": lambda x, i, r: x[i],
+    "x.at[i].get(promise_in_bounds)": lambda x, i, r: x.at[i].get(mode="promise_in_bounds"),
+    "take(mode=clip)": lambda x, i, r: jnp.take(x, i, axis=0, mode="clip"),
+    "as uint32 words": lambda x, i, r: from_words(as_words(x)[i]),
+    "x[i] * w, as the combine's backward": lambda x, i, r: (
         x[i].astype(jnp.float32) * w[:, None]
     ).astype(jnp.bfloat16),
-    "as uint32 words, then * w": lambda x, i: (
+    "as uint32 words, then * w": lambda x, i, r: (
         from_words(as_words(x)[i]).astype(jnp.float32) * w[:, None]
     ).astype(jnp.bfloat16),
 }
 want = x[source]
 for name, f in variants.items():
     f = jax.jit(f)
-    best = min(kernel_time(f, x, source) for _ in range(3))
-    out = f(x, source)
+    best = min(kernel_time(f, x, source, rows) for _ in range(3))
+    out = f(x, source, rows)
     checked = not any(word in name for word in ("floor", "copy", "* w"))
     same = f", equal: {bool((out == want).all())}" if checked else ""
     print(f"== {name}: {best * 1e3:.4f} ms{same}", flush=True)
