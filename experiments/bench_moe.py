@@ -1,6 +1,7 @@
 """GPU benchmark: grouped GEMM strategies and the MoE layer against dense references.
 
     python experiments/bench_moe.py [--out results/bench_moe] [--quick]
+    python experiments/bench_moe.py --replot RUN/grouped_matmul.csv --out docs/img
 
 Every ratio is against a dense reference timed in the same run: grouped GEMM throughput over a
 dense matmul of equal FLOPs (>1 is faster than dense), and MoE layer time over a dense SwiGLU of
@@ -11,6 +12,8 @@ out of memory are reported as such. Writes JSON + CSV + PNG to --out.
 """
 
 import argparse
+import contextlib
+import csv
 import pathlib
 import statistics
 
@@ -220,7 +223,17 @@ def bench_layer(
     return rows
 
 
-def plot(rows, out):
+# Issue 5's targets for the best GPU strategy, fwd+bwd throughput over dense, by rows per expert
+TARGETS = {2048: 0.90, 512: 0.80, 256: 0.70}
+
+
+def _label(row) -> str:
+    return f"{row['experts']}x{row['rows/expert']} {row['K x N']} {row['routing'][:3]}"
+
+
+def plot(rows, out, name="bench_moe_gmm.png"):
+    """Bars of fwd+bwd throughput over dense per shape and strategy, each shape's target as a
+    short black line (where issue 5 sets one)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -228,33 +241,46 @@ def plot(rows, out):
 
     fig, ax = plt.subplots(figsize=(9, 4))
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    labels = list(
-        dict.fromkeys(
-            f"{r['experts']}x{r['rows/expert']} {r['K x N']} {r['routing'][:3]}" for r in rows
-        )
-    )
+    labels = list(dict.fromkeys(_label(r) for r in rows))
+    ratio = {(r["strategy"], _label(r)): r["fwd+bwd / dense"] for r in rows}
     width = 0.8 / len(strategies)
     for i, s in enumerate(strategies):
-        vals = [
-            next(
-                (
-                    r["fwd+bwd / dense"]
-                    for r in rows
-                    if r["strategy"] == s
-                    and f"{r['experts']}x{r['rows/expert']} {r['K x N']} {r['routing'][:3]}" == lab
-                ),
-                0,
-            )
-            for lab in labels
-        ]
-        vals = [v if isinstance(v, float) else 0 for v in vals]
+        vals = [ratio.get((s, lab), 0) for lab in labels]
+        vals = [v if isinstance(v, float) else 0 for v in vals]  # "OOM" and the like
         ax.bar(np.arange(len(labels)) + i * width, vals, width, label=s)
-    ax.axhline(1.0, color="k", lw=0.5)
-    ax.set_xticks(np.arange(len(labels)) + 0.4, labels, rotation=60, ha="right", fontsize=7)
+    per_expert = {_label(r): int(r["rows/expert"]) for r in rows}
+    first = True
+    for x, lab in enumerate(labels):
+        if per_expert[lab] in TARGETS:  # a line across the shape's bars
+            left, right = x - width / 2, x + (len(strategies) - 0.5) * width
+            label = "target (issue 5)" if first else None
+            ax.hlines(TARGETS[per_expert[lab]], left, right, color="k", lw=1.5, label=label)
+            first = False
+    ax.axhline(1.0, color="k", lw=0.5, ls=":")
+    centre = (len(strategies) - 1) * width / 2
+    ax.set_xticks(np.arange(len(labels)) + centre, labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("fwd+bwd throughput / dense matmul")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, ncols=len(strategies) + 1, loc="lower center", bbox_to_anchor=(0.5, 1))
     fig.tight_layout()
-    fig.savefig(out / "bench_moe_gmm.png", dpi=120)
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / name, dpi=120)
+    plt.close(fig)
+
+
+def read_rows(csv_path: pathlib.Path) -> list[dict]:
+    """The grouped-GEMM rows of a `grouped_matmul.csv` this script wrote, numbers as floats."""
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    needed = {"experts", "rows/expert", "K x N", "routing", "strategy", "fwd+bwd / dense"}
+    missing = needed - set(rows[0] if rows else ())
+    if missing:
+        raise ValueError(
+            f"{csv_path}: not a grouped_matmul.csv of bench_moe.py: no {sorted(missing)}"
+        )
+    for r in rows:
+        with contextlib.suppress(ValueError):  # a status such as "OOM" stays a string
+            r["fwd+bwd / dense"] = float(r["fwd+bwd / dense"])
+    return rows
 
 
 def main(argv=None):
@@ -277,7 +303,17 @@ def main(argv=None):
     )
     parser.add_argument("--skip-gmm", action="store_true")
     parser.add_argument("--skip-layer", action="store_true")
+    parser.add_argument(
+        "--replot",
+        type=pathlib.Path,
+        help="only redraw the grouped-GEMM figure from a grouped_matmul.csv of an earlier run",
+    )
     args = parser.parse_args(argv)
+    if args.replot:
+        name = f"{args.replot.parent.name}_{args.replot.stem}.png"  # the run's folder and table
+        plot(read_rows(args.replot), args.out, name)
+        print(f"wrote {args.out / name}")
+        return
     strategies = gmm_strategies()  # loads TE before JAX starts its GPU backend (cuDNN order)
     if args.strategies:
         strategies = {k: v for k, v in strategies.items() if k in args.strategies.split(",")}

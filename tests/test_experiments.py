@@ -205,6 +205,23 @@ def test_mosaic_tile_search_rejects_inexact_settings(tmp_path, monkeypatch, caps
     assert [(r["op"], r["best"]) for r in best] == [("fwd", "default"), ("wgrad", "default")]
 
 
+def test_grouped_gemm_figure_is_redrawn_from_a_results_csv(tmp_path, monkeypatch):
+    """--replot draws a committed run's table (the tenth H200 run's) without running anything;
+    a CSV of another script is named as such."""
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    bench_moe = load("bench_moe")
+    csv_path = EXPERIMENTS.parent / "docs/bench_logs/h200-2026-12-03-run10/f1_grouped_matmul.csv"
+    rows = bench_moe.read_rows(csv_path)
+    assert len(rows) == 24 and all(isinstance(r["fwd+bwd / dense"], float) for r in rows)
+    bench_moe.main(["--replot", str(csv_path), "--out", str(tmp_path)])
+    figure = tmp_path / "h200-2026-12-03-run10_f1_grouped_matmul.png"
+    assert figure.stat().st_size > 10_000
+    other = tmp_path / "other.csv"
+    other.write_text("backend,step s\npallas,0.1\n")
+    with pytest.raises(ValueError, match="not a grouped_matmul.csv of bench_moe.py"):
+        bench_moe.read_rows(other)
+
+
 def test_grouped_gemm_benchmark_times_in_rounds(tmp_path, monkeypatch):
     """bench_moe.py's grouped-GEMM table on toy shapes (its CPU smoke run), in two rounds."""
     monkeypatch.syspath_prepend(str(EXPERIMENTS))  # its helpers, _timing and _profile
