@@ -232,3 +232,47 @@ def test_grouped_gemm_benchmark_times_in_rounds(tmp_path, monkeypatch):
     for row in rows:
         assert row["strategy"] == "jnp-capacity"
         assert row["fwd+bwd / dense"] > 0 and row["fwd+bwd spread"] >= 0
+
+
+def test_mfu_history_figure_and_its_table(tmp_path):
+    """The train-step MFU history: the committed table draws; each row's step time and MFU stand
+    on one line of the log it cites (bench_train.py prints MFU as a fraction, the one-process
+    A/B scripts as a percent); a table without a column is refused by name."""
+    import csv
+    import statistics
+
+    plot_mfu_history = load("plot_mfu_history")
+    root = EXPERIMENTS.parent
+    table = root / "docs/bench_logs/mfu_history.csv"
+    plot_mfu_history.main([str(table), "--out", str(tmp_path)])
+    assert (tmp_path / "mfu_history.png").stat().st_size > 10_000
+
+    with open(table, newline="") as f:
+        rows = list(csv.DictReader(f))
+    products = {}
+    for row in rows:
+        mfu = float(row["mfu"])
+        lines = (root / row["log"]).read_text().splitlines()
+        cited = (
+            row["mfu"] in line or f"MFU {mfu:.1%}" in line
+            for line in lines
+            if row["step_s"] in line
+        )
+        assert any(cited), row
+        products.setdefault((row["batch"], row["micro_batches"]), []).append(
+            mfu * float(row["step_s"])
+        )
+    # MFU = model FLOPs per step / step time / peak, so within a series MFU x step time is one
+    # number: bench_train.flops_per_token is unchanged since before the seventh run, so is the
+    # proxy-2b preset, every bench_train log of runs 7-14 prints 2.70 model GFLOP/token, and the
+    # A/B scripts call flops_per_token with the same 989 TFLOP/s peak. The 1.5% allows for the
+    # logs' rounding (3 significant figures, or MFU to 0.1%).
+    assert set(products) == {("8", "1"), ("32", "4")}
+    for series, values in products.items():
+        middle = statistics.median(values)
+        assert all(abs(v / middle - 1) < 0.015 for v in values), (series, values)
+
+    no_mfu = tmp_path / "no_mfu.csv"
+    no_mfu.write_text("run,date,change,batch,micro_batches,step_s,log\n7,d,c,8,1,0.177,x.log\n")
+    with pytest.raises(ValueError, match=r"missing column\(s\) \['mfu'\]"):
+        plot_mfu_history.main([str(no_mfu), "--out", str(tmp_path)])
