@@ -2,6 +2,9 @@
 
     python experiments/bench_train.py --preset proxy-2b --backends te,jnp-capacity,jnp
 
+From a script, `compare(config, backend, {name: context, ...})` times variants of the step in
+one process (see its docstring and `patched`).
+
 Model FLOPs per token = 6 x (active matmul parameters: active params without the input
 embedding, plus the MTP modules' active params and their pass through the shared head)
 + attention (QK^T and AV, 2 * seq * heads * (qk_head_dim + v_head_dim) per token per layer
@@ -10,6 +13,7 @@ MFU = model FLOP/s over --peak (989 TFLOP/s: H200 dense bf16, datasheet).
 """
 
 import argparse
+import contextlib
 import pathlib
 import statistics
 import time
@@ -72,6 +76,48 @@ def bench(config, backend, batch, seq, steps, profile_to=None, profile_top=25, m
             print_table(by_op[row["scope"]], f"{row['scope']}: kernels by op, layers merged")
         write_results(profile_to.parent, profile_to.name, scopes + kernels, {"backend": backend})
     return statistics.median(times), float(metrics["loss"])
+
+
+@contextlib.contextmanager
+def patched(owner, name: str, value):
+    """`owner.name = value` inside the block, restored after it: how a variant swaps in a piece
+    of code (e.g. `patched(routing, "_top_k", lax_top_k)`)."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def compare(config, backend, variants, batch=8, seq=2048, steps=8, peak=989e12) -> list[dict]:
+    """Same-process A/B of the train step: for each `name: make_context` of `variants`, JAX's
+    caches cleared (else a variant reuses the previous one's compiled step), the step compiled
+    and timed inside `make_context()`. Prints one `== name: ...` line per variant as it ends
+    and returns the rows. Across processes the same code varies by a few percent
+    (docs/benchmarks.md), so only variants of one call compare."""
+    rows = []
+    for name, make_context in variants.items():
+        jax.clear_caches()
+        start = time.perf_counter()
+        with make_context():
+            t, loss = bench(config, backend, batch, seq, steps)
+        tokens_per_s = batch * seq / t
+        row = {
+            "variant": name,
+            "step s": t,
+            "tokens/s": tokens_per_s,
+            "MFU": flops_per_token(config, seq) * tokens_per_s / peak,
+            "loss": loss,
+            "s to the first step": time.perf_counter() - start - (steps + 1) * t,
+        }
+        rows.append(row)
+        print(
+            f"== {name}: step {t:.4f} s, {tokens_per_s:,.0f} tokens/s, MFU {row['MFU']:.1%}, "
+            f"loss {loss:.3f}, {row['s to the first step']:.0f} s to the first step",
+            flush=True,
+        )
+    return rows
 
 
 def main():

@@ -276,3 +276,37 @@ def test_mfu_history_figure_and_its_table(tmp_path):
     no_mfu.write_text("run,date,change,batch,micro_batches,step_s,log\n7,d,c,8,1,0.177,x.log\n")
     with pytest.raises(ValueError, match=r"missing column\(s\) \['mfu'\]"):
         plot_mfu_history.main([str(no_mfu), "--out", str(tmp_path)])
+
+
+def test_step_comparison_runs_each_variant_inside_its_context(monkeypatch):
+    """bench_train.compare: each variant's step is timed inside its own context (here a
+    `patched` attribute), with JAX's caches cleared before it, and the attribute is restored
+    afterwards, also when a variant fails. `bench` itself is replaced: no model is compiled."""
+    import types
+
+    import jax
+
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    bench_train = load("bench_train")
+    owner = types.SimpleNamespace(choice="library")
+    seen, cleared = [], []
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(len(seen)))
+
+    def fake_bench(*args, **kwargs):  # a 0.5 s step and a loss of 2, noting the variant seen
+        seen.append(owner.choice)
+        return 0.5, 2.0
+
+    monkeypatch.setattr(bench_train, "bench", fake_bench)
+    monkeypatch.setattr(bench_train, "flops_per_token", lambda config, seq: 1e9)
+    variants = {
+        "library": bench_train.contextlib.nullcontext,
+        "before": lambda: bench_train.patched(owner, "choice", "before"),
+    }
+    rows = bench_train.compare(None, "jnp", variants, batch=2, seq=8, steps=3, peak=1e12)
+    assert seen == ["library", "before"] and cleared == [0, 1]
+    assert owner.choice == "library"  # restored
+    assert [r["variant"] for r in rows] == ["library", "before"]
+    assert rows[0]["tokens/s"] == 32 and rows[0]["MFU"] == pytest.approx(32 * 1e9 / 1e12)
+    with pytest.raises(RuntimeError), bench_train.patched(owner, "choice", "x"):
+        raise RuntimeError
+    assert owner.choice == "library"
