@@ -1,5 +1,5 @@
 """Test-wide settings: 8 emulated CPU devices (for expert parallelism), hypothesis profiles,
-the `gpu` marker, and the one list of backends under test."""
+the `gpu` marker, the one list of backends under test, and fixtures that read programs."""
 
 import os
 
@@ -76,3 +76,21 @@ def dot_generals():
     return lambda fn, *args: _dot_generals(
         jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(*args).jaxpr
     )
+
+
+def _lowered(fn, *args, platform: str) -> str:
+    """The StableHLO text of jit(fn)(*args) lowered for `platform` ("cpu", "cuda") on this
+    machine: no device of that kind needed, nothing run. Skips where this jaxlib cannot lower
+    for it."""
+    try:
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    except (ImportError, NotImplementedError) as err:
+        if platform in str(err).lower() and "platform" in str(err).lower():
+            pytest.skip(f"this jaxlib cannot lower for {platform}: {err}")
+        raise
+
+
+@pytest.fixture
+def lowered():
+    """fn, *args, platform= -> the program jit(fn) lowers to for that platform (see _lowered)."""
+    return _lowered

@@ -79,13 +79,13 @@ def test_rows_gathered_as_words_are_the_same_bits(dtype):
     ("dtype", "dim", "words_on_gpu"),
     [(jnp.bfloat16, 8, True), (jnp.bfloat16, 7, False), (jnp.float32, 8, False)],
 )
-def test_dispatch_gathers_words_only_when_lowered_for_a_gpu(dtype, dim, words_on_gpu):
+def test_dispatch_gathers_words_only_when_lowered_for_a_gpu(dtype, dim, words_on_gpu, lowered):
     """The sort dispatcher's row gather, lowered for CUDA and for the CPU on this machine: the
     uint32 view only for CUDA, and only for 2-byte rows of even width."""
     _, order, inverse = plan(9, 3, 5, seed=0)
-    traced = jax.jit(expand_rows).trace(jax.ShapeDtypeStruct((9, dim), dtype), order, inverse)
-    assert ("ui32" in traced.lower(lowering_platforms=("cuda",)).as_text()) == words_on_gpu
-    assert "ui32" not in traced.lower(lowering_platforms=("cpu",)).as_text()
+    rows = jax.ShapeDtypeStruct((9, dim), dtype)
+    assert ("ui32" in lowered(expand_rows, rows, order, inverse, platform="cuda")) == words_on_gpu
+    assert "ui32" not in lowered(expand_rows, rows, order, inverse, platform="cpu")
 
 
 def test_bf16_combine_sums_in_float32_and_gathers_its_cotangent_in_bf16():

@@ -201,18 +201,8 @@ def test_small_experts_take_the_segmented_weight_gradient(
         mosaic_gmm.WeightGradConfig(segment_steps=0)
 
 
-def _lower_for_cuda(f, *shapes) -> str:
-    """Mosaic GPU's lowering of f, run on this (CPU-only) machine: no GPU, no kernel launch."""
-    try:
-        return jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    except (ImportError, NotImplementedError) as err:
-        if "cuda" in str(err).lower() and "platform" in str(err).lower():
-            pytest.skip(f"this jaxlib cannot lower for CUDA: {err}")
-        raise
-
-
 @pytest.mark.parametrize("kernel", ["fwd", "dgrad", "wgrad per expert", "wgrad in runs"])
-def test_kernels_lower_for_cuda_on_the_cpu(kernel):
+def test_kernels_lower_for_cuda_on_the_cpu(kernel, lowered):
     """Each kernel goes through Mosaic GPU's lowering (layouts, allocations) into one custom
     call: the part of a GPU run that a CPU can check. What it computes is the GPU tests'."""
     x = jax.ShapeDtypeStruct((1000, 512), jnp.bfloat16)
@@ -220,20 +210,28 @@ def test_kernels_lower_for_cuda_on_the_cpu(kernel):
     if kernel in ("fwd", "dgrad"):
         w = jax.ShapeDtypeStruct((16, 512, 512), jnp.bfloat16)
         dgrad = kernel == "dgrad"
-        text = _lower_for_cuda(
-            lambda a, b, s: mosaic_gmm.grouped_matmul(a, b, s, transpose_rhs=dgrad), x, w, sizes
+        text = lowered(
+            lambda a, b, s: mosaic_gmm.grouped_matmul(a, b, s, transpose_rhs=dgrad),
+            x,
+            w,
+            sizes,
+            platform="cuda",
         )
     else:
         g = jax.ShapeDtypeStruct((1000, 256), jnp.bfloat16)
         steps = 64 if kernel == "wgrad in runs" else None
         config = mosaic_gmm.WeightGradConfig(segment_steps=steps)
-        text = _lower_for_cuda(
-            lambda a, b, s: mosaic_gmm.grouped_weight_grad(a, b, s, config=config), x, g, sizes
+        text = lowered(
+            lambda a, b, s: mosaic_gmm.grouped_weight_grad(a, b, s, config=config),
+            x,
+            g,
+            sizes,
+            platform="cuda",
         )
     assert text.count("custom_call @mosaic_gpu") == 1
 
 
-def test_a_layout_mosaic_cannot_take_fails_when_lowering_on_the_cpu():
+def test_a_layout_mosaic_cannot_take_fails_when_lowering_on_the_cpu(lowered):
     """32-row weight-gradient chunks: the mask's row index cannot take the WGMMA layout. On the
     H200 this failed a tile search; lowering on the CPU finds it first."""
     x = jax.ShapeDtypeStruct((1000, 512), jnp.bfloat16)
@@ -241,6 +239,10 @@ def test_a_layout_mosaic_cannot_take_fails_when_lowering_on_the_cpu():
     sizes = jax.ShapeDtypeStruct((16,), jnp.int32)
     config = mosaic_gmm.WeightGradConfig(tile_k=32)
     with pytest.raises(ValueError, match="Cannot cast to layout"):
-        _lower_for_cuda(
-            lambda a, b, s: mosaic_gmm.grouped_weight_grad(a, b, s, config=config), x, g, sizes
+        lowered(
+            lambda a, b, s: mosaic_gmm.grouped_weight_grad(a, b, s, config=config),
+            x,
+            g,
+            sizes,
+            platform="cuda",
         )
