@@ -27,43 +27,20 @@ from dropless.dispatch import AbstractDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul
 
 
-def _take_rows(x: Float[Array, "n dim"], index: Int[Array, " m"]) -> Float[Array, "m dim"]:
-    """x[index], rows gathered whole. Where it is lowered for an accelerator, rows of a 2-byte
-    dtype and even width move as uint32 words (pairs of elements), bit for bit the same: XLA's
-    elementwise kernels move 2-byte elements at about half the bytes per second of 4-byte ones
-    (H200, proxy-2b's dispatch of 16384 bf16 rows of 1024 into 98,304: 0.0874 against
-    0.1226 ms, docs/benchmarks.md). On the CPU the word view was slower, so there it is x[index].
-    Only for the custom VJPs below, which give its gradient: autodiff through the word view
-    would give zeros.
-    """
-    if x.dtype.itemsize != 2 or x.shape[-1] % 2:
-        return x[index]
-    return jax.lax.platform_dependent(x, index, cpu=_gather_plain, default=_gather_as_words)
-
-
-def _gather_plain(x, index):
-    return x[index]
-
-
-def _gather_as_words(x, index):
-    words = jax.lax.bitcast_convert_type(x.reshape(x.shape[0], -1, 2), jnp.uint32)
-    return jax.lax.bitcast_convert_type(words[index], x.dtype).reshape(index.shape[0], -1)
-
-
 @jax.custom_vjp
 def permute_rows(
     x: Float[Array, "n dim"], perm: Int[Array, " n"], inverse: Int[Array, " n"]
 ) -> Float[Array, "n dim"]:
     """x[perm]; the gradient is the gather through `inverse` (no scatter)."""
-    return _take_rows(x, perm)
+    return x[perm]
 
 
 def _permute_fwd(x, perm, inverse):
-    return _take_rows(x, perm), inverse
+    return x[perm], inverse
 
 
 def _permute_bwd(inverse, g):
-    return _take_rows(g, inverse), None, None
+    return g[inverse], None, None
 
 
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
@@ -120,7 +97,7 @@ def expand_rows(
     """Row r = x[order[r] // k]: each token copied to the rows of its k copies, in one gather.
     The gradient gathers back through `inverse` and sums each token's k copies (no scatter)."""
     k = order.shape[0] // x.shape[0]
-    return _take_rows(x, order // k)
+    return x[order // k]
 
 
 def _expand_fwd(x, order, inverse):

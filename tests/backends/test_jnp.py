@@ -11,7 +11,6 @@ from dropless.backends.jnp import (
     ChunkedGroupedMatmul,
     _add_row_chunks,
     _chunked_weight_grad,
-    _gather_as_words,
     _segments,
     _sort_by_expert,
     combine_rows,
@@ -61,31 +60,6 @@ def test_expand_and_combine_match_plain_gathers(dim):
     ]
     for a, b in zip(*grads, strict=True):
         np.testing.assert_allclose(a, b, **FP32)
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_rows_gathered_as_words_are_the_same_bits(dtype):
-    """The accelerators' word view of a row gather: every bit pattern (NaNs with payloads,
-    signed zeros, infinities, subnormals) lands where x[index] puts it."""
-    bits = np.random.default_rng(0).integers(0, 2**16, (40, 6), dtype=np.uint16)
-    bits[0, :4] = [0x8000, 0x7FFF, 0xFFFF, 0x0001]  # -0, NaNs, the smallest subnormal
-    x = jax.lax.bitcast_convert_type(jnp.asarray(bits), dtype)
-    index = jnp.asarray(np.random.default_rng(1).integers(0, 40, 55), jnp.int32)
-    got = jax.lax.bitcast_convert_type(_gather_as_words(x, index), jnp.uint16)
-    np.testing.assert_array_equal(got, bits[np.asarray(index)])
-
-
-@pytest.mark.parametrize(
-    ("dtype", "dim", "words_on_gpu"),
-    [(jnp.bfloat16, 8, True), (jnp.bfloat16, 7, False), (jnp.float32, 8, False)],
-)
-def test_dispatch_gathers_words_only_when_lowered_for_a_gpu(dtype, dim, words_on_gpu, lowered):
-    """The sort dispatcher's row gather, lowered for CUDA and for the CPU on this machine: the
-    uint32 view only for CUDA, and only for 2-byte rows of even width."""
-    _, order, inverse = plan(9, 3, 5, seed=0)
-    rows = jax.ShapeDtypeStruct((9, dim), dtype)
-    assert ("ui32" in lowered(expand_rows, rows, order, inverse, platform="cuda")) == words_on_gpu
-    assert "ui32" not in lowered(expand_rows, rows, order, inverse, platform="cpu")
 
 
 def test_bf16_combine_sums_in_float32_and_gathers_its_cotangent_in_bf16():
