@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from dropless.nn.mlp import init_linear
+from dropless.nn.mlp import gate_up, init_linear, swiglu
 
 
 class AbstractGroupedMatmul(eqx.Module):
@@ -73,8 +73,5 @@ class GroupedExperts(eqx.Module):
     ) -> Float[Array, "rows dim"]:
         with jax.named_scope("experts"):
             dt = rows.dtype
-            # Gate and up as two grouped matmuls rather than one on concatenated weights: the
-            # concatenation would copy every expert's weights on each step.
-            gate = self.gmm(rows, self.w_gate.astype(dt), group_sizes)
-            up = self.gmm(rows, self.w_up.astype(dt), group_sizes)
-            return self.gmm(jax.nn.silu(gate) * up, self.w_down.astype(dt), group_sizes)
+            hidden = swiglu(self.gmm(rows, gate_up(self.w_gate, self.w_up, dt), group_sizes))
+            return self.gmm(hidden, self.w_down.astype(dt), group_sizes)

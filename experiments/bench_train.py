@@ -39,11 +39,23 @@ def flops_per_token(config, seq: int) -> float:
     return 6 * matmul_params + 3 * layers * attention
 
 
-def bench(config, backend, batch, seq, steps, profile_to=None, profile_top=25, micro_batches=1):
+def bench(
+    config,
+    backend,
+    batch,
+    seq,
+    steps,
+    profile_to=None,
+    profile_top=25,
+    micro_batches=1,
+    moments_dtype="float32",
+):
     """Median step time and last loss; with `profile_to`, also print where the time goes.
-    `micro_batches`: the step's gradient in that many passes (gradient accumulation)."""
+    `micro_batches`: the step's gradient in that many passes (gradient accumulation);
+    `moments_dtype`: AdamW's moments' storage (`TrainConfig.moments_dtype`)."""
     model = DeepSeekV3(config, backend=backend, key=jax.random.key(0))
-    state = init_state(model, TrainConfig(steps=1000, warmup_steps=10))
+    train_config = TrainConfig(steps=1000, warmup_steps=10, moments_dtype=moments_dtype)
+    state = init_state(model, train_config)
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, config.vocab_size)
     hlo = (
         train_step.lower(state, tokens, micro_batches).compile().compiled.as_text()
@@ -136,6 +148,9 @@ def main():
     parser.add_argument("--attention-impl", default="xla", choices=("xla", "cudnn"))
     parser.add_argument("--unroll-layers", action="store_true", help="unroll the layer scan")
     parser.add_argument(
+        "--moments-dtype", default="float32", choices=("float32", "bfloat16"), help="AdamW's"
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="print device time per scope and its kernels by op"
     )
     parser.add_argument("--profile-top", type=int, default=25, help="kernels listed by --profile")
@@ -167,6 +182,7 @@ def main():
         "remat": args.remat,
         "unroll_layers": args.unroll_layers,
         "attention": args.attention_impl,
+        "moments": args.moments_dtype,
     }
     print(meta, f"model GFLOP/token {per_token / 1e9:.2f}")
     rows = []
@@ -182,6 +198,7 @@ def main():
                 profile_to,
                 args.profile_top,
                 args.micro_batches,
+                args.moments_dtype,
             )
         except BackendUnavailableError as err:
             rows.append({"backend": name, "status": f"unavailable: {err}"[:100]})
@@ -204,6 +221,7 @@ def main():
     print_table(rows, f"{args.preset}, batch {args.batch} x {args.seq}, {config.compute_dtype}")
     tag = f"{args.preset}_b{args.batch}m{args.micro_batches}_{args.remat}_{args.attention_impl}"
     tag += "_unrolled" if args.unroll_layers else ""
+    tag += "_bf16moments" if args.moments_dtype == "bfloat16" else ""
     write_results(args.out, f"train_{tag}", rows, meta)
 
 

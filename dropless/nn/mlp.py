@@ -27,5 +27,19 @@ class SwiGLU(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         dt = x.dtype
-        h = jax.nn.silu(x @ self.w_gate.astype(dt)) * (x @ self.w_up.astype(dt))
-        return h @ self.w_down.astype(dt)
+        return swiglu(x @ gate_up(self.w_gate, self.w_up, dt)) @ self.w_down.astype(dt)
+
+
+def gate_up(
+    w_gate: Float[Array, "*experts dim hidden"], w_up: Float[Array, "*experts dim hidden"], dtype
+) -> Float[Array, "*experts dim 2*hidden"]:
+    """Gate and up weights side by side, in `dtype`: one matmul computes both projections, and
+    its input gradient is one matmul too (two, plus their sum, when they are separate). The
+    copy fuses with the cast to the compute dtype that the weights get anyway."""
+    return jnp.concatenate([w_gate, w_up], axis=-1).astype(dtype)
+
+
+def swiglu(gate_and_up: Float[Array, "*batch gate_up"]) -> Float[Array, "*batch hidden"]:
+    """silu(gate) * up from the output of a `gate_up` matmul."""
+    gate, up = jnp.split(gate_and_up, 2, axis=-1)
+    return jax.nn.silu(gate) * up

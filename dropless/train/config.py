@@ -50,6 +50,10 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip gradients to this global norm (0 turns clipping off)."""
+    moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Storage of AdamW's two moments (always computed in float32). DeepSeek-V3 keeps them in
+    bf16: 4 bytes less per parameter, read and written each step. Needs b1, b2 <= 0.99 (see
+    `dropless.train.optim.MAX_BF16_BETA`)."""
 
     # --- losses ---
     mtp_loss_weight: float = 0.3
@@ -150,6 +154,21 @@ class TrainConfig:
                 parse_mesh(self.mesh)
             except ValueError as err:
                 raise ValueError(f"TrainConfig.mesh: {err}") from None
+        if self.moments_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                "TrainConfig.moments_dtype must be 'float32' or 'bfloat16', got "
+                f"{self.moments_dtype!r}"
+            )
+        if self.moments_dtype == "bfloat16":
+            from dropless.train.optim import MAX_BF16_BETA
+
+            for name in ("b1", "b2"):
+                if getattr(self, name) > MAX_BF16_BETA:
+                    raise ValueError(
+                        f"TrainConfig.{name}={getattr(self, name)} must be <= {MAX_BF16_BETA} "
+                        "with moments_dtype='bfloat16': a bf16 moment moves by (1 - beta) of "
+                        "itself, which rounds away when smaller than half a bf16 ulp"
+                    )
         if self.data_dtype not in ("uint16", "uint32"):
             raise ValueError(
                 f"TrainConfig.data_dtype must be 'uint16' or 'uint32', got {self.data_dtype!r}"

@@ -116,6 +116,46 @@ def learning_rate(config: TrainConfig, step: ArrayLike) -> Float[Array, ""]:
     )
 
 
+# A bf16 moment m moves by (1 - beta) * (x - m) a step. Where x is near 0 that is a decay by
+# (1 - beta) * m, which rounds away when below half an ulp (2**-9 to 2**-8 of m): with
+# beta = 0.999 a bf16 second moment could never decrease. 0.99 leaves a margin over 1 - 2**-8.
+MAX_BF16_BETA = 0.99
+
+
+def scale_by_adam(b1: ArrayLike, b2: ArrayLike, eps: ArrayLike) -> optax.GradientTransformation:
+    """`optax.scale_by_adam` (same state, same float32 arithmetic) whose moments keep the dtype
+    they have in the state: `optimizer_state` stores them in `TrainConfig.moments_dtype`, and
+    each update rounds the new moments to it."""
+
+    def init(params):
+        return optax.scale_by_adam(b1, b2, eps).init(params)
+
+    def update(grads, state, params=None):
+        del params
+        f32 = lambda m: m.astype(jnp.float32)  # noqa: E731
+        mu = jax.tree.map(lambda g, m: (1 - b1) * g + b1 * f32(m), grads, state.mu)
+        nu = jax.tree.map(lambda g, v: (1 - b2) * g**2 + b2 * f32(v), grads, state.nu)
+        count = optax.safe_increment(state.count)
+        mu_hat = optax.tree.bias_correction(mu, b1, count)
+        nu_hat = optax.tree.bias_correction(nu, b2, count)
+        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+        like = lambda new, old: new.astype(old.dtype)  # noqa: E731
+        return updates, optax.ScaleByAdamState(
+            count, jax.tree.map(like, mu, state.mu), jax.tree.map(like, nu, state.nu)
+        )
+
+    return optax.GradientTransformation(init, update)
+
+
+def adamw(learning_rate, b1, b2, eps, weight_decay, mask) -> optax.GradientTransformation:
+    """`optax.adamw` (the same chain and state) on `scale_by_adam` above."""
+    return optax.chain(
+        scale_by_adam(b1, b2, eps),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
 @functools.cache
 def optimizer() -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW decaying only `weight_decay_mask`, every number injected.
@@ -125,7 +165,7 @@ def optimizer() -> optax.GradientTransformation:
     """
     return optax.chain(
         optax.inject_hyperparams(optax.clip_by_global_norm)(max_norm=1.0),
-        optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+        optax.inject_hyperparams(adamw, static_args=("mask",))(
             learning_rate=0.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0, mask=weight_decay_mask
         ),
     )
@@ -143,8 +183,9 @@ def optimizer_state(config: TrainConfig, params: PyTree) -> PyTree:
 
 
 def with_config(opt_state: PyTree, config: TrainConfig) -> PyTree:
-    """`opt_state` with clip norm, betas, eps and weight decay taken from `config` (the moments
-    and counts are kept: this is how a resumed run adopts a changed config)."""
+    """`opt_state` with clip norm, betas, eps and weight decay taken from `config`, and the
+    moments stored in its `moments_dtype` (their values and the counts are kept: this is how a
+    resumed run adopts a changed config)."""
     clip, adamw = _hyperparams(config)
     clip_state, adamw_state = opt_state
 
@@ -154,6 +195,10 @@ def with_config(opt_state: PyTree, config: TrainConfig) -> PyTree:
             merged[name] = jnp.asarray(value, merged[name].dtype)
         return state._replace(hyperparams=merged)
 
+    adam, *rest = adamw_state.inner_state
+    store = lambda m: m.astype(config.moments_dtype)  # noqa: E731
+    adam = adam._replace(mu=jax.tree.map(store, adam.mu), nu=jax.tree.map(store, adam.nu))
+    adamw_state = adamw_state._replace(inner_state=(adam, *rest))
     return (update(clip_state, clip), update(adamw_state, adamw))
 
 

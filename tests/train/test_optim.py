@@ -6,7 +6,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jaxtyping import TypeCheckError
 
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
 from dropless.train import optim
@@ -96,3 +98,100 @@ def test_one_update_is_adamw_with_clipping():
     # decay 0.5 * w applies to the matrix only.
     np.testing.assert_allclose(updates["w"], -0.1 * (1.0 + 0.5), rtol=1e-5)
     np.testing.assert_allclose(updates["norm"], -0.1 * 1.0, rtol=1e-5)
+
+
+def _random_tree(seed: int):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {"w": jax.random.normal(k1, (4, 3)), "norm": jax.random.normal(k2, (3,))}
+
+
+def _run(config: TrainConfig, steps: int = 4):
+    """`steps` updates of random gradients through the library's optimiser: the updates and the
+    final state."""
+    params = _random_tree(0)
+    state = optim.with_learning_rate(optim.optimizer_state(config, params), jnp.float32(0.01))
+    step = jax.jit(optim.optimizer().update)
+    updates = []
+    for t in range(steps):
+        u, state = step(_random_tree(t + 1), state, params)
+        updates.append(u)
+    return updates, state
+
+
+def test_float32_moments_give_optax_adamw():
+    """`optim.adamw` rewrites optax's chain to keep the moments' dtype; in float32 it is the
+    same formula as optax.adamw behind the same clipping. Not bit for bit: XLA fuses the two
+    programs differently (1 float32 ulp seen), hence a tolerance of a few ulps."""
+    config = TrainConfig(grad_clip=1.0, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8)
+    got, _ = _run(config)
+    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))  # betas as f32 arrays
+    reference = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        adamw(0.01, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=optim.weight_decay_mask),
+    )
+    params = _random_tree(0)
+    state = reference.init(params)
+    for t, update in enumerate(got):
+        want, state = jax.jit(reference.update)(_random_tree(t + 1), state, params)
+        for a, b in zip(jax.tree.leaves(update), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=4 * 2**-24, atol=0)
+
+
+def _moments(opt_state):
+    adam = opt_state[1].inner_state[0]
+    return jax.tree.leaves((adam.mu, adam.nu))
+
+
+def test_bfloat16_moments_stay_bfloat16_and_track_the_float32_run():
+    steps = 4
+    f32_updates, f32_state = _run(TrainConfig(), steps)
+    bf16_updates, bf16_state = _run(TrainConfig(moments_dtype="bfloat16"), steps)
+    assert all(m.dtype == jnp.bfloat16 for m in _moments(bf16_state))
+    assert all(m.dtype == jnp.float32 for m in _moments(f32_state))
+    for got, want in zip(_moments(bf16_state), _moments(f32_state), strict=True):
+        # Each step rounds a moment by at most half an ulp, 2**-9 of its size, and earlier
+        # roundings only shrink (by beta): `steps` roundings of the largest moment bound it.
+        bound = steps * 2**-9 * float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=0, atol=bound)
+    # An update is lr * m / sqrt(v), |m / sqrt(v)| <= 1 here, so the moments' relative errors
+    # (each at most `steps` half-ulps) move it by at most about lr * steps * 2**-8.
+    last = zip(jax.tree.leaves(bf16_updates[-1]), jax.tree.leaves(f32_updates[-1]), strict=True)
+    for got, want in last:
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=0, atol=0.01 * steps * 2**-8)
+        assert not np.array_equal(got, want)  # rounded moments do change the update a little
+
+
+def test_with_config_converts_the_moments_of_a_resumed_state():
+    _, state = _run(TrainConfig())
+    converted = optim.with_config(state, TrainConfig(moments_dtype="bfloat16"))
+    for got, want in zip(_moments(converted), _moments(state), strict=True):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(got, want.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize(("b2", "decays"), [(0.99, True), (0.999, False)])
+def test_a_bfloat16_second_moment_decays_only_for_beta_up_to_the_bound(b2, decays):
+    """Why `moments_dtype="bfloat16"` needs b2 <= MAX_BF16_BETA: with zero gradients, nu
+    should shrink by b2 each step; at 0.999 the decay is below half a bf16 ulp and nu stays."""
+    grads = {"x": jnp.zeros((64,))}
+    nu = jax.random.uniform(jax.random.key(0), (64,), minval=0.5, maxval=2.0).astype(jnp.bfloat16)
+    adam = optim.scale_by_adam(0.9, b2, 1e-8)
+    state = adam.init(grads)._replace(nu={"x": nu}, mu={"x": jnp.zeros((64,), jnp.bfloat16)})
+    _, state = adam.update(grads, state)
+    shrank = state.nu["x"].astype(jnp.float32) < nu.astype(jnp.float32)
+    assert shrank.all() if decays else not shrank.any()
+    assert (b2 <= optim.MAX_BF16_BETA) == decays
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"moments_dtype": "float16"}, "moments_dtype"),  # the type check may come first
+        ({"moments_dtype": "bfloat16", "b2": 0.999}, r"TrainConfig.b2=0.999 must be <= 0.99"),
+        ({"moments_dtype": "bfloat16", "b1": 0.995}, r"TrainConfig.b1=0.995 must be <= 0.99"),
+    ],
+)
+def test_bad_moments_settings_are_clear_errors(changes, message):
+    with pytest.raises((ValueError, TypeCheckError), match=message):
+        TrainConfig(**changes)
