@@ -1,0 +1,43 @@
+"""Grouped SwiGLU experts: the formula per expert, and gate and up as one grouped matmul."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dropless.backends.jnp import ChunkedGroupedMatmul
+from dropless.experts import GroupedExperts
+
+FP32 = dict(rtol=2e-5, atol=2e-5)
+
+
+class RecordingMatmul(ChunkedGroupedMatmul):
+    """Records the weight shape of every call (at trace time)."""
+
+    def _impl(self, lhs, rhs, group_sizes):
+        recorded.append(rhs.shape)
+        return super()._impl(lhs, rhs, group_sizes)
+
+
+recorded: list[tuple[int, ...]] = []  # weight shapes, in call order
+
+
+def test_each_row_gets_its_experts_swiglu_from_two_grouped_matmuls():
+    experts, dim, hidden = 4, 8, 6
+    ex = GroupedExperts(experts, dim, hidden, gmm=RecordingMatmul(chunk=4), key=jax.random.key(0))
+    sizes = np.array([3, 0, 5, 2])
+    rows = jax.random.normal(jax.random.key(1), (int(sizes.sum()), dim))
+    recorded.clear()
+    got = ex(rows, jnp.asarray(sizes, jnp.int32))
+    # Gate and up side by side in one call, then the down projection.
+    assert recorded == [(experts, dim, 2 * hidden), (experts, hidden, dim)]
+    owner = np.repeat(np.arange(experts), sizes)
+    w = {n: np.asarray(getattr(ex, n), np.float64) for n in ("w_gate", "w_up", "w_down")}
+    x = np.asarray(rows, np.float64)
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    want = np.stack(
+        [
+            (silu(x[r] @ w["w_gate"][e]) * (x[r] @ w["w_up"][e])) @ w["w_down"][e]
+            for r, e in enumerate(owner)
+        ]
+    )
+    np.testing.assert_allclose(got, want, **FP32)
