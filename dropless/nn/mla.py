@@ -103,17 +103,15 @@ class MLA(eqx.Module):
         positions = jnp.arange(seq)
         rope_batched = jax.vmap(self.rope, in_axes=(0, None))  # over batch
         with jax.named_scope("q"):
-            # The two projections of x as one matmul on side-by-side weights: the input
-            # gradient is then one matmul, not two and their sum.
-            q_in = self.q_proj if self.q_proj is not None else self.q_a_proj
-            both = x @ jnp.concatenate([q_in, self.kv_a_proj_with_mqa], axis=-1).astype(dt)
-            q, kv_a = jnp.split(both, [q_in.shape[-1]], axis=-1)
             if self.q_proj is None:
-                q = self.q_a_layernorm(q) @ self.q_b_proj.astype(dt)
+                q = self.q_a_layernorm(x @ self.q_a_proj.astype(dt)) @ self.q_b_proj.astype(dt)
+            else:
+                q = x @ self.q_proj.astype(dt)
             q = q.reshape(batch, seq, h, nope + rope)
             q_nope = q[..., :nope]
             q_rope = rope_batched(q[..., nope:], positions)
         with jax.named_scope("kv"):
+            kv_a = x @ self.kv_a_proj_with_mqa.astype(dt)
             latent = self.kv_a_layernorm(kv_a[..., : self.kv_lora_rank])
             k_rope = rope_batched(kv_a[..., self.kv_lora_rank :], positions)
             kv = (latent @ self.kv_b_proj.astype(dt)).reshape(batch, seq, h, nope + self.v_head_dim)

@@ -194,14 +194,3 @@ def test_cudnn_attention_with_narrow_values_matches_plain_attention(mla_widths):
     )
     for g, w in zip(got[1], want[1], strict=True):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), rtol=5e-2, atol=5e-2)
-
-
-@pytest.mark.parametrize("q_lora_rank", [None, 7])
-def test_x_meets_one_matmul(q_lora_rank):
-    """The query's and the latent's projections of x are one matmul on side-by-side weights,
-    so x's gradient is one matmul too."""
-    mla = make_mla(q_lora_rank)
-    x = jax.random.normal(jax.random.key(1), (2, 5, DIM))
-    jaxpr = jax.make_jaxpr(lambda x: mla(x))(x).jaxpr
-    uses = [eqn.primitive.name for eqn in jaxpr.eqns if jaxpr.invars[0] in eqn.invars]
-    assert uses == ["dot_general"]
