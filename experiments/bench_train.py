@@ -148,7 +148,10 @@ def main():
     parser.add_argument("--attention-impl", default="xla", choices=("xla", "cudnn"))
     parser.add_argument("--unroll-layers", action="store_true", help="unroll the layer scan")
     parser.add_argument(
-        "--moments-dtype", default="float32", choices=("float32", "bfloat16"), help="AdamW's"
+        "--moments-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="storage dtype of AdamW's moments",
     )
     parser.add_argument(
         "--profile", action="store_true", help="print device time per scope and its kernels by op"

@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
 def full_float32_matmuls(request):
     """Tests without the `gpu` marker compare float32 results with float32 tolerances, which
     assume float32 matmuls; on a GPU, XLA's default precision multiplies float32 in TF32 (about
-    1e-3 relative error; 11 such failures when the CPU suite ran on an H200). Those tests run
+    1e-3 relative error; 11 such failures in test_jnp when it ran on an H200). Those tests run
     at "highest" precision, which changes nothing on the CPU; `gpu` tests keep the default
     that training uses."""
     if "gpu" in request.keywords:

@@ -34,8 +34,10 @@ def gate_up(
     w_gate: Float[Array, "*experts dim hidden"], w_up: Float[Array, "*experts dim hidden"], dtype
 ) -> Float[Array, "*experts dim 2*hidden"]:
     """Gate and up weights side by side, in `dtype`: one matmul computes both projections, and
-    its input gradient is one matmul too (two, plus their sum, when they are separate). The
-    copy fuses with the cast to the compute dtype that the weights get anyway."""
+    its input gradient is one matmul too (two, plus their sum, when they are separate). Where
+    the weights are cast to a narrower compute dtype here, the copy is that cast; where they
+    are not (float32 compute, or a stack cast before the layer scan) it is one more copy of
+    the weights a step, small beside the matmuls it merges."""
     return jnp.concatenate([w_gate, w_up], axis=-1).astype(dtype)
 
 

@@ -52,7 +52,7 @@ class TrainConfig:
     """Clip gradients to this global norm (0 turns clipping off)."""
     moments_dtype: Literal["float32", "bfloat16"] = "float32"
     """Storage of AdamW's two moments (always computed in float32). DeepSeek-V3 keeps them in
-    bf16: 4 bytes less per parameter, read and written each step. Needs b1, b2 <= 0.99 (see
+    bf16: 4 bytes less per parameter, read and written each step. Needs b1, b2 <= 0.98 (see
     `dropless.train.optim.MAX_BF16_BETA`)."""
 
     # --- losses ---
@@ -166,8 +166,9 @@ class TrainConfig:
                 if getattr(self, name) > MAX_BF16_BETA:
                     raise ValueError(
                         f"TrainConfig.{name}={getattr(self, name)} must be <= {MAX_BF16_BETA} "
-                        "with moments_dtype='bfloat16': a bf16 moment moves by (1 - beta) of "
-                        "itself, which rounds away when smaller than half a bf16 ulp"
+                        "with moments_dtype='bfloat16': a bf16 moment's steps of (1 - beta) "
+                        "times its distance to the new value round away below half an ulp, "
+                        "which biases it (see dropless.train.optim.MAX_BF16_BETA)"
                     )
         if self.data_dtype not in ("uint16", "uint32"):
             raise ValueError(

@@ -116,19 +116,23 @@ def learning_rate(config: TrainConfig, step: ArrayLike) -> Float[Array, ""]:
     )
 
 
-# A bf16 moment m moves by (1 - beta) * (x - m) a step. Where x is near 0 that is a decay by
-# (1 - beta) * m, which rounds away when below half an ulp (2**-9 to 2**-8 of m): with
-# beta = 0.999 a bf16 second moment could never decrease. 0.99 leaves a margin over 1 - 2**-8.
-MAX_BF16_BETA = 0.99
+# A bf16 moment m moves by (1 - beta) * (x - m) a step, and a move below half an ulp (2**-9
+# to 2**-8 of m) rounds away. With zero gradients that is a decay by (1 - beta) * m: at
+# beta = 0.999 a bf16 second moment never shrinks. With unit Gaussian gradients over 3000
+# steps a bf16 second moment ends about 4.5% high at beta = 0.99 and within 1% at 0.98
+# (tests/train/test_optim.py), hence the bound.
+MAX_BF16_BETA = 0.98
 
 
-def scale_by_adam(b1: ArrayLike, b2: ArrayLike, eps: ArrayLike) -> optax.GradientTransformation:
+def scale_by_adam(
+    b1: ArrayLike, b2: ArrayLike, eps: ArrayLike, eps_root: ArrayLike = 0.0
+) -> optax.GradientTransformation:
     """`optax.scale_by_adam` (same state, same float32 arithmetic) whose moments keep the dtype
     they have in the state: `optimizer_state` stores them in `TrainConfig.moments_dtype`, and
     each update rounds the new moments to it."""
 
     def init(params):
-        return optax.scale_by_adam(b1, b2, eps).init(params)
+        return optax.scale_by_adam(b1, b2, eps, eps_root).init(params)
 
     def update(grads, state, params=None):
         del params
@@ -138,7 +142,7 @@ def scale_by_adam(b1: ArrayLike, b2: ArrayLike, eps: ArrayLike) -> optax.Gradien
         count = optax.safe_increment(state.count)
         mu_hat = optax.tree.bias_correction(mu, b1, count)
         nu_hat = optax.tree.bias_correction(nu, b2, count)
-        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
         like = lambda new, old: new.astype(old.dtype)  # noqa: E731
         return updates, optax.ScaleByAdamState(
             count, jax.tree.map(like, mu, state.mu), jax.tree.map(like, nu, state.nu)
@@ -147,10 +151,14 @@ def scale_by_adam(b1: ArrayLike, b2: ArrayLike, eps: ArrayLike) -> optax.Gradien
     return optax.GradientTransformation(init, update)
 
 
-def adamw(learning_rate, b1, b2, eps, weight_decay, mask) -> optax.GradientTransformation:
-    """`optax.adamw` (the same chain and state) on `scale_by_adam` above."""
+def adamw(
+    learning_rate, b1, b2, eps, weight_decay, mask, eps_root=0.0
+) -> optax.GradientTransformation:
+    """`optax.adamw` on `scale_by_adam` above: the same chain, and under
+    `optax.inject_hyperparams` the same state (`eps_root` included), so checkpoints written
+    with `optax.adamw` restore into it."""
     return optax.chain(
-        scale_by_adam(b1, b2, eps),
+        scale_by_adam(b1, b2, eps, eps_root),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -179,6 +187,13 @@ def _hyperparams(config: TrainConfig) -> tuple[dict, dict]:
 
 def optimizer_state(config: TrainConfig, params: PyTree) -> PyTree:
     """A fresh optimiser state for `params`, with `config`'s numbers."""
+    return _fresh_state(params, config)
+
+
+@eqx.filter_jit
+def _fresh_state(params: PyTree, config: TrainConfig) -> PyTree:
+    # Compiled, so that the moments are made in their own dtype: bf16 ones never exist in
+    # float32 first. (Initialised from params, whose float32 also sets the injected numbers'.)
     return with_config(optimizer().init(params), config)
 
 

@@ -2,7 +2,9 @@
 
 import gc
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -12,9 +14,9 @@ from dropless.train.config import TrainConfig
 from dropless.train.step import init_state
 
 
-def state(seed: int):
+def state(seed: int, moments_dtype: str = "float32"):
     model = DeepSeekV3(get_preset("tiny"), key=jax.random.key(seed))
-    return init_state(model, TrainConfig())
+    return init_state(model, TrainConfig(moments_dtype=moments_dtype))
 
 
 def test_round_trip_is_exact_and_keeps_the_last_few(tmp_path):
@@ -85,3 +87,22 @@ def test_restoring_into_another_model_shape_is_a_clear_error(tmp_path):
         checkpointer.restore(state(0), step=7)
     checkpointer.close()
     gc.collect()
+
+
+def test_float32_moments_restore_as_bfloat16_into_a_bfloat16_state(tmp_path):
+    """How a run resumed with `moments_dtype="bfloat16"` reads a float32 run's checkpoint: the
+    fresh state it restores into has bf16 moments, and the saved ones arrive rounded to it."""
+    saved = state(1)
+    adam = saved.opt_state[1].inner_state[0]
+    moved = adam._replace(mu=jax.tree.map(lambda m: m + 0.3, adam.mu))  # nonzero moments
+    saved = eqx.tree_at(lambda s: s.opt_state[1].inner_state[0], saved, moved)
+    checkpointer = Checkpointer(str(tmp_path / "ckpt"))
+    checkpointer.save(1, saved, {})
+    checkpointer.wait()
+    restored, _ = checkpointer.restore(state(2, "bfloat16"))
+    checkpointer.close()
+    got = jax.tree.leaves(restored.opt_state[1].inner_state[0].mu)
+    want = jax.tree.leaves(saved.opt_state[1].inner_state[0].mu)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == jnp.bfloat16 and w.dtype == jnp.float32
+        np.testing.assert_array_equal(g, w.astype(jnp.bfloat16))
