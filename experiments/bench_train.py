@@ -2,8 +2,8 @@
 
     python experiments/bench_train.py --preset proxy-2b --backends te,jnp-capacity,jnp
 
-From a script, `compare(config, backend, {name: context, ...})` times variants of the step in
-one process (see its docstring and `patched`).
+From a script, `compare(config, backend, {name: variant, ...})` times variants of the step in
+one process, each a context (see `patched`) or keyword arguments for `bench` (its docstring).
 
 Model FLOPs per token = 6 x (active matmul parameters: active params without the input
 embedding, plus the MTP modules' active params and their pass through the shared head)
@@ -103,17 +103,22 @@ def patched(owner, name: str, value):
 
 
 def compare(config, backend, variants, batch=8, seq=2048, steps=8, peak=989e12) -> list[dict]:
-    """Same-process A/B of the train step: for each `name: make_context` of `variants`, JAX's
+    """Same-process A/B of the train step: for each `name: variant` of `variants`, JAX's
     caches cleared (else a variant reuses the previous one's compiled step), the step compiled
-    and timed inside `make_context()`. Prints one `== name: ...` line per variant as it ends
-    and returns the rows. Across processes the same code varies by a few percent
-    (docs/benchmarks.md), so only variants of one call compare."""
+    and timed. A variant is either a function returning a context (`patched(...)`) that the
+    step runs inside, or a dict of keyword arguments for `bench` (`{"moments_dtype":
+    "bfloat16"}`). Prints one `== name: ...` line per variant as it ends and returns the rows.
+    Across processes the same code varies by a few percent (docs/benchmarks.md), so only
+    variants of one call compare."""
     rows = []
-    for name, make_context in variants.items():
+    for name, variant in variants.items():
+        make_context, options = (
+            (contextlib.nullcontext, variant) if isinstance(variant, dict) else (variant, {})
+        )
         jax.clear_caches()
         start = time.perf_counter()
         with make_context():
-            t, loss = bench(config, backend, batch, seq, steps)
+            t, loss = bench(config, backend, batch, seq, steps, **options)
         tokens_per_s = batch * seq / t
         row = {
             "variant": name,

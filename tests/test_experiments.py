@@ -293,7 +293,7 @@ def test_step_comparison_runs_each_variant_inside_its_context(monkeypatch):
     monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(len(seen)))
 
     def fake_bench(*args, **kwargs):  # a 0.5 s step and a loss of 2, noting the variant seen
-        seen.append(owner.choice)
+        seen.append((owner.choice, kwargs))
         return 0.5, 2.0
 
     monkeypatch.setattr(bench_train, "bench", fake_bench)
@@ -301,11 +301,17 @@ def test_step_comparison_runs_each_variant_inside_its_context(monkeypatch):
     variants = {
         "library": bench_train.contextlib.nullcontext,
         "before": lambda: bench_train.patched(owner, "choice", "before"),
+        "bf16 moments": {"moments_dtype": "bfloat16"},  # keyword arguments for bench
     }
     rows = bench_train.compare(None, "jnp", variants, batch=2, seq=8, steps=3, peak=1e12)
-    assert seen == ["library", "before"] and cleared == [0, 1]
+    assert seen == [
+        ("library", {}),
+        ("before", {}),
+        ("library", {"moments_dtype": "bfloat16"}),
+    ]
+    assert cleared == [0, 1, 2]
     assert owner.choice == "library"  # restored
-    assert [r["variant"] for r in rows] == ["library", "before"]
+    assert [r["variant"] for r in rows] == ["library", "before", "bf16 moments"]
     assert rows[0]["tokens/s"] == 32 and rows[0]["MFU"] == pytest.approx(32 * 1e9 / 1e12)
     with pytest.raises(RuntimeError), bench_train.patched(owner, "choice", "x"):
         raise RuntimeError
