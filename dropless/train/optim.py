@@ -185,13 +185,9 @@ def _hyperparams(config: TrainConfig) -> tuple[dict, dict]:
     return {"max_norm": max_norm}, adamw
 
 
+@eqx.filter_jit
 def optimizer_state(config: TrainConfig, params: PyTree) -> PyTree:
     """A fresh optimiser state for `params`, with `config`'s numbers."""
-    return _fresh_state(params, config)
-
-
-@eqx.filter_jit
-def _fresh_state(params: PyTree, config: TrainConfig) -> PyTree:
     # Compiled, so that the moments are made in their own dtype: bf16 ones never exist in
     # float32 first. (Initialised from params, whose float32 also sets the injected numbers'.)
     return with_config(optimizer().init(params), config)
