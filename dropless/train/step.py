@@ -20,7 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Bool, Float, Int, PyTree
+from jaxtyping import Array, Float, Int, PyTree
 
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
@@ -32,6 +32,7 @@ from dropless.moe import MoE, MoEStats
 from dropless.train import optim
 from dropless.train.accumulate import accumulated
 from dropless.train.config import TrainConfig
+from dropless.train.cross_entropy import cross_entropy
 
 # TrainConfig fields that the step reads as data (see `hparams`).
 HPARAM_FIELDS = (
@@ -101,24 +102,6 @@ def with_config(state: TrainState, config: TrainConfig) -> TrainState:
     )
 
 
-def _cross_entropy(
-    logits: Float[Array, "batch seq vocab"],
-    targets: Int[Array, "batch seq"],
-    mask: Bool[Array, "batch seq"] | None = None,
-) -> Float[Array, ""]:
-    logits = logits.astype(jnp.float32)
-    # The target's logit picked by a one-hot mask, not a gather: the gradient is then one
-    # elementwise expression (softmax minus one-hot) that XLA fuses with its cast to the head's
-    # bf16, where a gather's transpose is a scatter into a float32 [batch seq vocab] buffer
-    # (docs/benchmarks.md, twelfth run). The values are a gather's: a sum of zeros and one logit.
-    is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
-    target_logits = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
-    ce = jax.nn.logsumexp(logits, axis=-1) - target_logits
-    if mask is None:
-        return ce.mean()
-    return jnp.sum(jnp.where(mask, ce, 0.0)) / jnp.maximum(mask.sum(), 1)
-
-
 def all_moe_stats(out: ModelOutput) -> MoEStats:
     """The statistics of every MoE layer: the main stack's rows, then the MTP blocks'."""
     return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out.moe_stats, out.mtp_moe_stats)
@@ -135,11 +118,11 @@ def loss_terms(
     """
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     out = model(inputs)
-    terms = {"ce": _cross_entropy(out.logits, labels)}
+    terms = {"ce": cross_entropy(out.logits, labels)}
     if out.mtp_logits is not None:
         depth = out.mtp_logits.shape[0]
         targets, masks = mtp_targets(labels, depth)
-        per_depth = [_cross_entropy(out.mtp_logits[d], targets[d], masks[d]) for d in range(depth)]
+        per_depth = [cross_entropy(out.mtp_logits[d], targets[d], masks[d]) for d in range(depth)]
         terms["mtp"] = jnp.mean(jnp.stack(per_depth))
     else:
         terms["mtp"] = jnp.zeros((), jnp.float32)

@@ -1,0 +1,75 @@
+"""The cross-entropy and its hand-written backward: optax's values and gradients, no
+scatter or gather, and only the logits kept for the backward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dropless.train.cross_entropy import cross_entropy, token_cross_entropy
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_cross_entropy_equals_optax_and_its_gradient_has_no_scatter(masked):
+    """The target's logit is picked by a one-hot mask (no gather, so no scatter in the
+    gradient, which stays one fusible expression); values and gradients are optax's."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    logits = (4 * jax.random.normal(keys[0], (2, 5, 11))).astype(jnp.bfloat16)
+    targets = jax.random.randint(keys[1], (2, 5), 0, 11)
+    mask = jax.random.bernoulli(keys[2], 0.6, (2, 5)) if masked else None
+
+    def reference(logits):
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+        return ce.mean() if mask is None else jnp.sum(jnp.where(mask, ce, 0.0)) / mask.sum()
+
+    def ours(logits):
+        return cross_entropy(logits, targets, mask)
+
+    np.testing.assert_allclose(ours(logits), reference(logits), rtol=1e-6)
+    grad = jax.grad(lambda x: ours(x.astype(jnp.float32)))(logits.astype(jnp.float32))
+    want = jax.grad(lambda x: reference(x.astype(jnp.float32)))(logits.astype(jnp.float32))
+    np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-7)
+    jaxpr = str(jax.make_jaxpr(jax.grad(ours))(logits))
+    assert "scatter" not in jaxpr and "gather" not in jaxpr
+
+
+def test_backward_keeps_the_logits_and_one_number_per_position():
+    from jax._src.ad_checkpoint import saved_residuals
+
+    logits = jnp.zeros((2, 5, 11))
+    targets = jnp.zeros((2, 5), jnp.int32)
+    kept = [
+        (aval.shape, aval.dtype)
+        for aval, why in saved_residuals(lambda x: token_cross_entropy(x, targets), logits)
+        if "from the argument" not in why
+    ]
+    # Besides the logits (the argument): the targets and the logsumexp.
+    assert sorted(kept, key=str) == [((2, 5), jnp.float32), ((2, 5), jnp.int32)]
+
+
+def test_one_pass_is_exact_on_extreme_logits():
+    """The running maximum and rescaled sum equal float64's logsumexp where a plain sum of
+    exponentials would overflow (logits of +-1e4) or every logit is equal."""
+    keys = jax.random.split(jax.random.key(6), 2)
+    spread = 1e4 * jax.random.normal(keys[0], (3, 4, 37))
+    equal = jnp.full((3, 4, 37), -7.5)
+    targets = jax.random.randint(keys[1], (3, 4), 0, 37)
+    for logits in (spread, equal):
+        got = token_cross_entropy(logits, targets)
+        x = np.asarray(logits, np.float64)
+        top = x.max(-1)
+        lse = top + np.log(np.exp(x - top[..., None]).sum(-1))
+        want = lse - np.take_along_axis(x, np.asarray(targets)[..., None], -1)[..., 0]
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_forward_reads_the_logits_in_one_reduction():
+    logits = jnp.zeros((2, 5, 11))
+    targets = jnp.zeros((2, 5), jnp.int32)
+    jaxpr = jax.make_jaxpr(token_cross_entropy)(logits, targets).jaxpr
+    (call,) = [eqn for eqn in jaxpr.eqns if "custom_vjp" in eqn.primitive.name]
+    inner = call.params["call_jaxpr"].jaxpr
+    reductions = [eqn for eqn in inner.eqns if eqn.primitive.name.startswith("reduce")]
+    assert [eqn.primitive.name for eqn in reductions] == ["reduce"]
+    assert len(reductions[0].outvars) == 3  # maximum, rescaled sum, target logit
