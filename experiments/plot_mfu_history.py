@@ -5,8 +5,10 @@
 Reads the history table (one row per measurement, each cited to the log that prints its step
 time and MFU; pallas backend, cuDNN attention, unrolled layers, batch x 2048 tokens, command
 buffers on) and draws MFU in percent against the run number, one line per (batch,
-micro-batches) series. Rows of one run sit side by side in the order of the table (its calls'
-order); each batch-8 run is labelled with what it changed. Writes mfu_history.png to --out.
+micro-batches) series, each with its own marker (so that equal points of two series both
+show). Rows of one run sit side by side in the order of the table (its calls' order); each run
+is labelled, under its lowest point, with what its rows changed. Writes mfu_history.png to
+--out.
 """
 
 import argparse
@@ -17,8 +19,10 @@ import textwrap
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLUMNS = ("run", "date", "change", "batch", "micro_batches", "step_s", "mfu", "log")
 TARGET = 45.0  # issue 5: train-step MFU >= 45% on proxy-2b
-LABELLED_BATCH = 8  # the series whose points carry the change labels
+MARKERS = "osD^vP"  # one per (batch, micro-batches) series, in turn
+LABEL_WIDTH = 15  # characters per line of a run's label (runs sit about 15 characters apart)
 SPREAD = 0.3  # width in runs over which one run's rows of a series are spread
+NUDGE = 0.04  # runs between series, so that equal points of two series stay apart
 
 
 def read_rows(csv_path: pathlib.Path) -> list[dict]:
@@ -47,8 +51,8 @@ def _change_label(changes: list[str]) -> str:
     """A run's changes, each later one shown as what it adds to the one before it."""
     lines = [changes[0]]
     for before, change in zip(changes, changes[1:], strict=False):
-        lines.append(change[len(before) :].strip() if change.startswith(before) else change)
-    return "\n".join(textwrap.fill(line, 18) for line in lines)
+        lines.append(change[len(before) :].strip() if change.startswith(before) else f"+ {change}")
+    return "\n".join(textwrap.fill(line, LABEL_WIDTH) for line in lines)
 
 
 def plot(rows, out: pathlib.Path, name: str = "mfu_history.png") -> pathlib.Path:
@@ -59,30 +63,33 @@ def plot(rows, out: pathlib.Path, name: str = "mfu_history.png") -> pathlib.Path
 
     runs = sorted({r["run"] for r in rows})
     fig, ax = plt.subplots(figsize=(9, 5))
-    for batch, micro in sorted({(r["batch"], r["micro_batches"]) for r in rows}):
+    series_keys = sorted({(r["batch"], r["micro_batches"]) for r in rows})
+    for n, (batch, micro) in enumerate(series_keys):
         series = sorted(
             (r for r in rows if (r["batch"], r["micro_batches"]) == (batch, micro)),
             key=lambda r: r["run"],  # stable: a run's rows keep the table's order
         )
+        nudge = (n - (len(series_keys) - 1) / 2) * NUDGE
         xs, ys = [], []
         for run in runs:
             of_run = [r for r in series if r["run"] == run]
             for i, r in enumerate(of_run):
-                xs.append(run + (i - (len(of_run) - 1) / 2) * SPREAD / max(len(of_run) - 1, 1))
+                spread = (i - (len(of_run) - 1) / 2) * SPREAD / max(len(of_run) - 1, 1)
+                xs.append(run + nudge + spread)
                 ys.append(100 * r["mfu"])
-            if batch == LABELLED_BATCH and of_run:
-                changes = list(dict.fromkeys(r["change"] for r in of_run))
-                low = min(100 * r["mfu"] for r in of_run)
-                ax.annotate(
-                    _change_label(changes),
-                    (run, low),
-                    xytext=(0, -8),
-                    textcoords="offset points",
-                    ha="center",
-                    va="top",
-                    fontsize=7,
-                )
-        ax.plot(xs, ys, marker="o", ms=4, label=_series_label(batch, micro))
+        marker = MARKERS[n % len(MARKERS)]
+        ax.plot(xs, ys, marker=marker, ms=4, label=_series_label(batch, micro))
+    for run in runs:
+        of_run = [r for r in rows if r["run"] == run]  # the table's order
+        ax.annotate(
+            _change_label(list(dict.fromkeys(r["change"] for r in of_run))),
+            (run, min(100 * r["mfu"] for r in of_run)),
+            xytext=(0, -8),
+            textcoords="offset points",
+            ha="center",
+            va="top",
+            fontsize=7,
+        )
     ax.axhline(TARGET, color="k", ls="--", lw=1, label=f"target {TARGET:.0f}% (issue 5)")
     ax.set_ylim(0, 50)
     ax.set_xlim(runs[0] - 0.7, runs[-1] + 0.7)

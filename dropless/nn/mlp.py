@@ -41,31 +41,7 @@ def gate_up(
     return jnp.concatenate([w_gate, w_up], axis=-1).astype(dtype)
 
 
-@jax.custom_vjp
 def swiglu(gate_and_up: Float[Array, "*batch gate_up"]) -> Float[Array, "*batch hidden"]:
-    """silu(gate) * up from the output of a `gate_up` matmul.
-
-    Its backward keeps only `gate_and_up` and recomputes the sigmoid: autodiff would keep
-    gate, up, sigmoid(gate) and silu(gate), each as large as the hidden activations (in
-    proxy-2b's experts, about 5 GiB a step at batch 8). The gradient is computed in float32
-    and rounded once to the input's dtype."""
+    """silu(gate) * up from the output of a `gate_up` matmul."""
     gate, up = jnp.split(gate_and_up, 2, axis=-1)
     return jax.nn.silu(gate) * up
-
-
-def _swiglu_fwd(gate_and_up):
-    return swiglu(gate_and_up), gate_and_up
-
-
-def _swiglu_bwd(gate_and_up, d_hidden):
-    gate, up = jnp.split(gate_and_up.astype(jnp.float32), 2, axis=-1)
-    d_hidden = d_hidden.astype(jnp.float32)
-    sigmoid = jax.nn.sigmoid(gate)
-    silu = gate * sigmoid
-    # silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))).
-    d_gate = d_hidden * up * sigmoid * (1 + gate * (1 - sigmoid))
-    d_up = d_hidden * silu
-    return (jnp.concatenate([d_gate, d_up], axis=-1).astype(gate_and_up.dtype),)
-
-
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
