@@ -14,6 +14,7 @@ MFU = model FLOP/s over --peak (989 TFLOP/s: H200 dense bf16, datasheet).
 
 import argparse
 import contextlib
+import os
 import pathlib
 import statistics
 import time
@@ -27,6 +28,14 @@ from dropless.models.deepseek_v3 import DeepSeekV3, count_params, get_preset
 from dropless.train import TrainConfig, init_state, train_step
 
 SCOPES_BY_OP = 12  # --profile lists the kernels by op of this many of the costliest scopes
+# JAX preallocates this fraction of the GPU's memory, 75% by default (newer jaxlib reads
+# XLA_CLIENT_MEM_FRACTION, the older name still works).
+MEMORY_FRACTION = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
+OUT_OF_MEMORY_HINT = (
+    "JAX took 75% of the GPU's memory (its default): with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 "
+    "proxy-2b trains at batch 24 x 2048 in one pass on an H200 (docs/benchmarks.md, "
+    "sixteenth run)"
+)
 
 
 def flops_per_token(config, seq: int) -> float:
@@ -213,6 +222,8 @@ def main():
             continue
         except Exception as err:  # noqa: BLE001 -- report OOM and go on
             rows.append({"backend": name, "status": f"error: {str(err)[:120]}"})
+            if "RESOURCE_EXHAUSTED" in str(err) and not any(map(os.getenv, MEMORY_FRACTION)):
+                print(OUT_OF_MEMORY_HINT)
             continue
         rows.append(
             {

@@ -316,3 +316,28 @@ def test_step_comparison_runs_each_variant_inside_its_context(monkeypatch):
     with pytest.raises(RuntimeError), bench_train.patched(owner, "choice", "x"):
         raise RuntimeError
     assert owner.choice == "library"
+
+
+@pytest.mark.parametrize("fraction_set", [False, True])
+def test_train_bench_names_the_memory_fraction_when_out_of_memory(
+    monkeypatch, tmp_path, capsys, fraction_set
+):
+    """An out-of-memory step is reported in the table; unless JAX's memory fraction was set,
+    the run also says how to give JAX more of the GPU. `bench` is replaced: nothing compiles."""
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    bench_train = load("bench_train")
+    for name in bench_train.MEMORY_FRACTION:
+        monkeypatch.delenv(name, raising=False)
+    if fraction_set:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 82.52GiB")
+
+    monkeypatch.setattr(bench_train, "bench", out_of_memory)
+    argv = ["bench_train.py", "--preset", "tiny", "--backends", "jnp", "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", argv)
+    bench_train.main()
+    printed = capsys.readouterr().out
+    assert "error: RESOURCE_EXHAUSTED" in printed
+    assert ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in printed) is not fraction_set

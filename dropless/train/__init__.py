@@ -8,6 +8,7 @@ results = train(get_preset("tiny"), TrainConfig(steps=200), out_dir="runs/tiny")
 
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.config import TrainConfig
+from dropless.train.cross_entropy import cross_entropy
 from dropless.train.data import (
     AbstractDataset,
     Batch,
@@ -57,6 +58,7 @@ __all__ = [
     "TrainState",
     "TrainingDiverged",
     "config_dict",
+    "cross_entropy",
     "eval_step",
     "evaluate",
     "expert_bias_filter",
