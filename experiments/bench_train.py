@@ -33,8 +33,8 @@ SCOPES_BY_OP = 12  # --profile lists the kernels by op of this many of the costl
 MEMORY_FRACTION = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
 OUT_OF_MEMORY_HINT = (
     "JAX took 75% of the GPU's memory (its default): with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 "
-    "proxy-2b trains at batch 24 x 2048 in one pass on an H200 (docs/benchmarks.md, "
-    "sixteenth run)"
+    "(or XLA_CLIENT_MEM_FRACTION, not both) proxy-2b trains at batch 24 x 2048 in one pass on "
+    "an H200 (docs/benchmarks.md, sixteenth run)"
 )
 
 
@@ -97,6 +97,15 @@ def bench(
             print_table(by_op[row["scope"]], f"{row['scope']}: kernels by op, layers merged")
         write_results(profile_to.parent, profile_to.name, scopes + kernels, {"backend": backend})
     return statistics.median(times), float(metrics["loss"])
+
+
+def out_of_gpu_memory(err: Exception) -> bool:
+    """Whether `err` is a GPU out-of-memory error under JAX's default memory fraction."""
+    return (
+        "RESOURCE_EXHAUSTED" in str(err)
+        and jax.default_backend() == "gpu"
+        and not any(map(os.getenv, MEMORY_FRACTION))
+    )
 
 
 @contextlib.contextmanager
@@ -222,7 +231,7 @@ def main():
             continue
         except Exception as err:  # noqa: BLE001 -- report OOM and go on
             rows.append({"backend": name, "status": f"error: {str(err)[:120]}"})
-            if "RESOURCE_EXHAUSTED" in str(err) and not any(map(os.getenv, MEMORY_FRACTION)):
+            if out_of_gpu_memory(err):
                 print(OUT_OF_MEMORY_HINT)
             continue
         rows.append(

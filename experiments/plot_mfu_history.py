@@ -22,7 +22,7 @@ TARGET = 45.0  # issue 5: train-step MFU >= 45% on proxy-2b
 MARKERS = "osD^vP"  # one per (batch, micro-batches) series, in turn
 LABEL_WIDTH = 15  # characters per line of a run's label (runs sit about 15 characters apart)
 SPREAD = 0.3  # width in runs over which one run's rows of a series are spread
-NUDGE = 0.04  # runs between series, so that equal points of two series stay apart
+NUDGE = 0.04  # runs between the series of one run, so that equal points of two stay apart
 
 
 def read_rows(csv_path: pathlib.Path) -> list[dict]:
@@ -64,15 +64,17 @@ def plot(rows, out: pathlib.Path, name: str = "mfu_history.png") -> pathlib.Path
     runs = sorted({r["run"] for r in rows})
     fig, ax = plt.subplots(figsize=(9, 5))
     series_keys = sorted({(r["batch"], r["micro_batches"]) for r in rows})
+    by_series = {k: [r for r in rows if (r["batch"], r["micro_batches"]) == k] for k in series_keys}
     for n, (batch, micro) in enumerate(series_keys):
-        series = sorted(
-            (r for r in rows if (r["batch"], r["micro_batches"]) == (batch, micro)),
-            key=lambda r: r["run"],  # stable: a run's rows keep the table's order
-        )
-        nudge = (n - (len(series_keys) - 1) / 2) * NUDGE
+        # stable: a run's rows keep the table's order
+        series = sorted(by_series[(batch, micro)], key=lambda r: r["run"])
         xs, ys = [], []
         for run in runs:
             of_run = [r for r in series if r["run"] == run]
+            if not of_run:
+                continue
+            present = [k for k in series_keys if any(r["run"] == run for r in by_series[k])]
+            nudge = (present.index((batch, micro)) - (len(present) - 1) / 2) * NUDGE
             for i, r in enumerate(of_run):
                 spread = (i - (len(of_run) - 1) / 2) * SPREAD / max(len(of_run) - 1, 1)
                 xs.append(run + nudge + spread)

@@ -322,10 +322,12 @@ def test_step_comparison_runs_each_variant_inside_its_context(monkeypatch):
 def test_train_bench_names_the_memory_fraction_when_out_of_memory(
     monkeypatch, tmp_path, capsys, fraction_set
 ):
-    """An out-of-memory step is reported in the table; unless JAX's memory fraction was set,
-    the run also says how to give JAX more of the GPU. `bench` is replaced: nothing compiles."""
+    """An out-of-memory step is reported in the table; on a GPU, unless JAX's memory fraction
+    was set, the run also says how to give JAX more of it. `bench` is replaced (nothing
+    compiles), and so is the backend's name."""
     monkeypatch.syspath_prepend(str(EXPERIMENTS))
     bench_train = load("bench_train")
+    monkeypatch.setattr(bench_train.jax, "default_backend", lambda: "gpu")
     for name in bench_train.MEMORY_FRACTION:
         monkeypatch.delenv(name, raising=False)
     if fraction_set:

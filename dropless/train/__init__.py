@@ -8,7 +8,6 @@ results = train(get_preset("tiny"), TrainConfig(steps=200), out_dir="runs/tiny")
 
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.config import TrainConfig
-from dropless.train.cross_entropy import cross_entropy
 from dropless.train.data import (
     AbstractDataset,
     Batch,
@@ -58,7 +57,6 @@ __all__ = [
     "TrainState",
     "TrainingDiverged",
     "config_dict",
-    "cross_entropy",
     "eval_step",
     "evaluate",
     "expert_bias_filter",

@@ -1,9 +1,10 @@
 """Next-token cross-entropy: one pass over the float32 logits forward, softmax minus one-hot
-backward."""
+backward (a custom VJP, so reverse-mode autodiff only: no `jax.jvp` or `jax.jacfwd` through
+it)."""
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Float32, Int
 
 
 def cross_entropy(
@@ -29,15 +30,13 @@ def _is_target(logits, targets):
 
 @jax.custom_vjp
 def token_cross_entropy(
-    logits: Float[Array, "batch seq vocab"], targets: Int[Array, "batch seq"]
-) -> Float[Array, "batch seq"]:
-    """logsumexp(logits) - logits[target] per position.
-
-    The forward reads the logits once: one reduction carries the running maximum, the sum of
-    exponentials rescaled to it, and the target's logit (`jax.nn.logsumexp` is a reduction for
-    the maximum and one for the sum, and the target's pick a third). JAX cannot differentiate
-    such a reduction, hence the custom VJP: its backward keeps the logits and the logsumexp
-    and computes softmax minus one-hot in one pass."""
+    logits: Float32[Array, "batch seq vocab"], targets: Int[Array, "batch seq"]
+) -> Float32[Array, "batch seq"]:
+    """logsumexp(logits) - logits[target] per position, from float32 logits in one reduction
+    over the vocabulary (running maximum, rescaled sum of exponentials, target logit). The
+    backward keeps the logits and the logsumexp. A +inf logit gives nan (optax: inf)."""
+    # One pass where `jax.nn.logsumexp` and the target's pick are three reductions. JAX
+    # cannot differentiate such a reduction, hence the custom VJP.
     return _forward(logits, targets)[0]
 
 

@@ -5,8 +5,10 @@ backwards, layers scanned (the default) and unrolled:
     python memory_scanned.py [LAYERS] [BATCH] [SEQ]
 
 proxy-2b's widths with fewer layers, float32 weights, bf16 compute, the jnp-capacity backend,
-XLA attention. A measurement aid for the sixteenth run, not library code; run from
-experiments/ with docs/bench_logs/h200-2026-12-04-run16 on PYTHONPATH."""
+XLA attention. The hand-written backwards are the library's at d78f5a4 (RMSNorm and SwiGLU
+taken out in fb5c263), so this runs at d78f5a4. A measurement aid for the sixteenth run, not
+library code; run from experiments/ with docs/bench_logs/h200-2026-12-04-run16 on
+PYTHONPATH."""
 
 import contextlib
 import dataclasses

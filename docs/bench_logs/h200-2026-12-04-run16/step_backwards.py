@@ -1,7 +1,8 @@
 """The proxy-2b step (pallas, cuDNN attention, layers unrolled) at batch 16 with RMSNorm,
 SwiGLU and the cross-entropy differentiated by JAX (as before 2026-12-04's sixteenth run) and
-with their hand-written backwards (now); one process. A measurement aid for the sixteenth
-run, not library code; run from experiments/ (or with it on PYTHONPATH):
+with their hand-written backwards ("now": the library at d78f5a4; the RMSNorm and SwiGLU ones
+were taken out in fb5c263, so this runs at d78f5a4); one process. A measurement aid for the
+sixteenth run, not library code; run from experiments/ (or with it on PYTHONPATH):
 
     python step_backwards.py BATCH [now-first]"""
 
