@@ -343,3 +343,43 @@ def test_train_bench_names_the_memory_fraction_when_out_of_memory(
     printed = capsys.readouterr().out
     assert "error: RESOURCE_EXHAUSTED" in printed
     assert ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in printed) is not fraction_set
+
+
+def test_pallas_row_gathers_equal_the_librarys(monkeypatch):
+    """bench_row_gather's Pallas kernel (interpreted on the CPU) gives the library's dispatch
+    and combine bitwise, forward and gradients, in bf16 rows with float32 weights."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import dropless.backends.jnp as jnp_backend
+
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    bench = load("bench_row_gather")
+    tokens, k, dim = 16, 4, 128
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (tokens, dim), jnp.bfloat16)
+    order = jax.random.permutation(keys[1], tokens * k).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(tokens * k, dtype=jnp.int32))
+    weights = jax.random.uniform(keys[2], (tokens, k))
+    cotangent = jax.random.normal(keys[3], (tokens, dim), jnp.bfloat16)
+    expand, combine = bench.pallas_expand_and_combine(interpret=True)
+
+    def layer(expand, combine):
+        def f(x, weights):
+            rows = expand(x, order, inverse) * 1.5  # stands in for the experts
+            return combine(rows, weights, order, inverse)
+
+        return jax.vjp(f, x, weights)
+
+    (want, want_pullback), (got, got_pullback) = (
+        layer(jnp_backend.expand_rows, jnp_backend.combine_rows),
+        layer(expand, combine),
+    )
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    for a, b in zip(got_pullback(cotangent), want_pullback(cotangent), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    scaled = bench.gather_rows(x, order // k, weights.reshape(-1)[order], interpret=True)
+    assert scaled.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="not a multiple of block_rows"):
+        bench.gather_rows(x, order[:40], interpret=True)

@@ -1,0 +1,170 @@
+"""The MoE's row gathers by XLA and by a Pallas kernel (Triton lowering), on a GPU.
+
+    python experiments/bench_row_gather.py [--tokens 49152] [--dim 1024] [--k 6]
+    python experiments/bench_row_gather.py --step --batch 24     # also the proxy-2b train step
+
+Two gathers of bf16 rows run at every MoE layer: the dispatch's expansion (`x[order // k]`,
+`dropless.backends.jnp.expand_rows`) and the combine's backward (`dy[order // k] * w`,
+`combine_rows`). XLA writes bf16 rows at about half the bytes per second of float32 ones
+(docs/benchmarks.md, fourteenth run); a Pallas kernel loads and stores whole `[rows dim]`
+tiles. Prints each kernel's time (CUPTI) over XLA's, measured in the same run, and checks
+that the two agree exactly. With --step, the train step (pallas backend, cuDNN attention,
+unrolled layers) with the library's gathers and with these, in one process.
+"""
+
+import argparse
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+import dropless.backends.jnp as jnp_backend
+
+BLOCK_ROWS = 32  # rows per program: a [32 1024] bf16 tile is 64 KiB
+
+
+def gather_rows(x, index, scale=None, *, block_rows=BLOCK_ROWS, interpret=False):
+    """`x[index]`, or `(x[index] * scale[:, None])` rounded to x's dtype, by a Pallas kernel:
+    each program gathers `block_rows` rows. `len(index)` must be a multiple of `block_rows`."""
+    rows, dim = index.shape[0], x.shape[1]
+    if rows % block_rows:
+        raise ValueError(f"gather_rows: {rows} rows is not a multiple of block_rows {block_rows}")
+
+    def kernel(index_ref, x_ref, *rest):
+        *scale_ref, out_ref = rest
+        gathered = x_ref[index_ref[...], :]
+        if scale_ref:
+            weights = scale_ref[0][...].astype(jnp.float32)[:, None]
+            gathered = (gathered.astype(jnp.float32) * weights).astype(out_ref.dtype)
+        out_ref[...] = gathered
+
+    row_block = pl.BlockSpec((block_rows,), lambda i: (i,))
+    operands = (index, x) if scale is None else (index, x, scale)
+    in_specs = [row_block, pl.BlockSpec(x.shape, lambda i: (0, 0))]
+    in_specs += [] if scale is None else [row_block]
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((rows, dim), x.dtype),
+        grid=(rows // block_rows,),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((block_rows, dim), lambda i: (i, 0)),
+        interpret=interpret,
+    )(*operands)
+
+
+def pallas_expand_and_combine(interpret=False):
+    """`expand_rows` and `combine_rows` as in dropless.backends.jnp, with the two row gathers
+    by `gather_rows`: what `--step` patches in."""
+    gather = functools.partial(gather_rows, interpret=interpret)
+
+    @jax.custom_vjp
+    def expand_rows(x, order, inverse):
+        return gather(x, order // (order.shape[0] // x.shape[0]))
+
+    def expand_fwd(x, order, inverse):
+        return expand_rows(x, order, inverse), (x.shape[0], inverse)
+
+    def expand_bwd(res, g):
+        tokens, inverse = res
+        summed = jnp_backend._gather_sum(g, inverse.reshape(tokens, -1))
+        return summed.astype(g.dtype), None, None
+
+    expand_rows.defvjp(expand_fwd, expand_bwd)
+
+    @jax.custom_vjp
+    def combine_rows(y_rows, weights, order, inverse):
+        return jnp_backend.combine_rows(y_rows, weights, order, inverse)
+
+    def combine_fwd(y_rows, weights, order, inverse):
+        return combine_rows(y_rows, weights, order, inverse), (y_rows, weights, order, inverse)
+
+    def combine_bwd(res, dy):
+        y_rows, weights, order, inverse = res
+        tokens, k = weights.shape
+        d_rows = gather(dy, order // k, weights.reshape(-1)[order]).astype(y_rows.dtype)
+        d_weights = jnp_backend._gathered_dots(y_rows, inverse.reshape(tokens, k), dy)
+        return d_rows, d_weights.astype(weights.dtype), None, None
+
+    combine_rows.defvjp(combine_fwd, combine_bwd)
+    return expand_rows, combine_rows
+
+
+def kernels(tokens: int, dim: int, k: int) -> list[dict]:
+    """Kernel time of each gather by XLA and by Pallas, same inputs, checked equal."""
+    from _timing import kernel_time
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (tokens, dim), jnp.bfloat16)
+    order = jax.random.permutation(keys[1], tokens * k).astype(jnp.int32)
+    w = jax.random.uniform(keys[2], (tokens * k,))
+    index = order // k
+    f32 = jnp.float32
+    cases = {
+        "expand x[order // k]": (
+            jax.jit(lambda x, i: x[i]),
+            jax.jit(lambda x, i: gather_rows(x, i)),
+            (x, index),
+        ),
+        "combine bwd dy[order // k] * w": (
+            jax.jit(lambda x, i, w: (x[i].astype(f32) * w[:, None]).astype(x.dtype)),
+            jax.jit(lambda x, i, w: gather_rows(x, i, w)),
+            (x, index, w),
+        ),
+    }
+    rows = []
+    for name, (by_xla, by_pallas, args) in cases.items():
+        row = {"gather": name}
+        try:
+            equal = bool(jnp.array_equal(by_xla(*args), by_pallas(*args)))
+            xla, pallas = kernel_time(by_xla, *args), kernel_time(by_pallas, *args)
+            written = tokens * k * dim * 2
+            row |= {
+                "xla ms": 1e3 * xla,
+                "pallas ms": 1e3 * pallas,
+                "pallas / xla": pallas / xla,
+                "pallas TB/s written": written / pallas / 1e12,
+                "equal": equal,
+            }
+        except Exception as err:  # noqa: BLE001 -- a lowering this JAX lacks: report, go on
+            row["error"] = f"{type(err).__name__}: {str(err)[:160]}"
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=49152, help="proxy-2b batch 24 x 2048")
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--k", type=int, default=6)
+    parser.add_argument("--step", action="store_true", help="also the proxy-2b train step")
+    parser.add_argument("--batch", type=int, default=24, help="train-step batch (x 2048)")
+    args = parser.parse_args()
+    kernels(args.tokens, args.dim, args.k)
+    if args.step:
+        from bench_train import compare, patched
+
+        from dropless.models.deepseek_v3 import get_preset
+
+        expand_rows, combine_rows = pallas_expand_and_combine()
+
+        def pallas_gathers():
+            stack = contextlib.ExitStack()
+            stack.enter_context(patched(jnp_backend, "expand_rows", expand_rows))
+            stack.enter_context(patched(jnp_backend, "combine_rows", combine_rows))
+            return stack
+
+        config = get_preset(
+            "proxy-2b", compute_dtype="bfloat16", unroll_layers=True, attention_impl="cudnn"
+        )
+        variants = {
+            "XLA gathers (library)": contextlib.nullcontext,
+            "Pallas gathers": pallas_gathers,
+        }
+        compare(config, "pallas", variants, batch=args.batch)
+
+
+if __name__ == "__main__":
+    main()
