@@ -19,10 +19,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 import dropless.backends.jnp as jnp_backend
 
-BLOCK_ROWS = 32  # rows per program: a [32 1024] bf16 tile is 64 KiB
+BLOCK_ROWS = 32  # rows per program: a [32 1024] bf16 tile is 64 KiB,
+NUM_WARPS = 8  # 256 B of it per thread (512 B as float32 when scaled)
 
 
 def gather_rows(x, index, scale=None, *, block_rows=BLOCK_ROWS, interpret=False):
@@ -50,6 +52,7 @@ def gather_rows(x, index, scale=None, *, block_rows=BLOCK_ROWS, interpret=False)
         grid=(rows // block_rows,),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((block_rows, dim), lambda i: (i, 0)),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS),
         interpret=interpret,
     )(*operands)
 
