@@ -383,3 +383,16 @@ def test_pallas_row_gathers_equal_the_librarys(monkeypatch):
     assert scaled.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="not a multiple of block_rows"):
         bench.gather_rows(x, order[:40], interpret=True)
+
+
+def test_attention_bench_runs_each_width_pair(tmp_path, monkeypatch):
+    """bench_attention on the CPU (JAX's own attention, tiny sizes): a row per width pair,
+    positive rates against the dense matmul of the same run, and its result files."""
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    bench = load("bench_attention")
+    argv = ["--impl", "xla", "--batch", "1", "--seq", "64", "--heads", "2", "--repeats", "1"]
+    rows = bench.main([*argv, "--widths", "96/64,64/64", "--out", str(tmp_path)])
+    assert [r["qk/v"] for r in rows] == ["96/64", "64/64"]
+    assert all(r["fwd / dense"] > 0 and r["fwd+bwd / dense"] > 0 for r in rows)
+    saved = json.loads((tmp_path / "attention.json").read_text())["rows"]
+    assert [r["qk/v"] for r in saved] == ["96/64", "64/64"]
