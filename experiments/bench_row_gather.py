@@ -58,8 +58,8 @@ def gather_rows(x, index, scale=None, *, block_rows=BLOCK_ROWS, interpret=False)
 
 
 def pallas_expand_and_combine(interpret=False):
-    """`expand_rows` and `combine_rows` as in dropless.backends.jnp, with the two row gathers
-    by `gather_rows`: what `--step` patches in."""
+    """`expand_rows` and `combine_rows` as in dropless.backends.jnp (whose other halves of the
+    VJPs they use), with the two row gathers by `gather_rows`: what `--step` patches in."""
     gather = functools.partial(gather_rows, interpret=interpret)
 
     @jax.custom_vjp
@@ -69,19 +69,11 @@ def pallas_expand_and_combine(interpret=False):
     def expand_fwd(x, order, inverse):
         return expand_rows(x, order, inverse), (x.shape[0], inverse)
 
-    def expand_bwd(res, g):
-        tokens, inverse = res
-        summed = jnp_backend._gather_sum(g, inverse.reshape(tokens, -1))
-        return summed.astype(g.dtype), None, None
-
-    expand_rows.defvjp(expand_fwd, expand_bwd)
+    expand_rows.defvjp(expand_fwd, jnp_backend._expand_bwd)
 
     @jax.custom_vjp
     def combine_rows(y_rows, weights, order, inverse):
         return jnp_backend.combine_rows(y_rows, weights, order, inverse)
-
-    def combine_fwd(y_rows, weights, order, inverse):
-        return combine_rows(y_rows, weights, order, inverse), (y_rows, weights, order, inverse)
 
     def combine_bwd(res, dy):
         y_rows, weights, order, inverse = res
@@ -90,7 +82,7 @@ def pallas_expand_and_combine(interpret=False):
         d_weights = jnp_backend._gathered_dots(y_rows, inverse.reshape(tokens, k), dy)
         return d_rows, d_weights.astype(weights.dtype), None, None
 
-    combine_rows.defvjp(combine_fwd, combine_bwd)
+    combine_rows.defvjp(jnp_backend._combine_fwd, combine_bwd)
     return expand_rows, combine_rows
 
 

@@ -65,22 +65,22 @@ def plot(rows, out: pathlib.Path, name: str = "mfu_history.png") -> pathlib.Path
     fig, ax = plt.subplots(figsize=(9, 5))
     series_keys = sorted({(r["batch"], r["micro_batches"]) for r in rows})
     by_series = {k: [r for r in rows if (r["batch"], r["micro_batches"]) == k] for k in series_keys}
-    for n, (batch, micro) in enumerate(series_keys):
-        # stable: a run's rows keep the table's order
-        series = sorted(by_series[(batch, micro)], key=lambda r: r["run"])
+    # The series with rows in each run, for nudging them apart there.
+    in_run = {
+        run: [k for k in series_keys if any(r["run"] == run for r in by_series[k])] for run in runs
+    }
+    for n, key in enumerate(series_keys):
         xs, ys = [], []
         for run in runs:
-            of_run = [r for r in series if r["run"] == run]
+            of_run = [r for r in by_series[key] if r["run"] == run]  # the table's order
             if not of_run:
                 continue
-            present = [k for k in series_keys if any(r["run"] == run for r in by_series[k])]
-            nudge = (present.index((batch, micro)) - (len(present) - 1) / 2) * NUDGE
+            nudge = (in_run[run].index(key) - (len(in_run[run]) - 1) / 2) * NUDGE
             for i, r in enumerate(of_run):
                 spread = (i - (len(of_run) - 1) / 2) * SPREAD / max(len(of_run) - 1, 1)
                 xs.append(run + nudge + spread)
                 ys.append(100 * r["mfu"])
-        marker = MARKERS[n % len(MARKERS)]
-        ax.plot(xs, ys, marker=marker, ms=4, label=_series_label(batch, micro))
+        ax.plot(xs, ys, marker=MARKERS[n % len(MARKERS)], ms=4, label=_series_label(*key))
     for run in runs:
         of_run = [r for r in rows if r["run"] == run]  # the table's order
         ax.annotate(
