@@ -9,7 +9,7 @@
     dropless presets                                 # the model presets and their sizes
 
 Precedence, lowest first: the preset, a YAML `--config` (sections `preset`, `backend`, `model`,
-`train`: the `config.yaml` every run writes), the flags, `--set`.
+`train`: the `config.yaml` every run writes; `--resume` reads the run's own), the flags, `--set`.
 """
 
 import dataclasses
@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, Union
 import tyro
 import yaml
 
-from dropless.backends import BACKENDS
+from dropless.backends import BACKENDS, BackendUnavailableError
 from dropless.models.deepseek_v3 import PRESETS, DeepSeekV3Config, get_preset
 from dropless.train.config import TrainConfig
 
@@ -194,9 +194,23 @@ def _replace_checked(config, values: dict, where: str):
     return dataclasses.replace(config, **values)
 
 
+def _resumed_config(args: Sequence[str]) -> str | None:
+    """The config.yaml of the run that `--out-dir D --resume` continues, if it has one: the run
+    goes on with its own model and settings, and flags and `--set` still override them."""
+    from dropless.train.loop import CONFIG_FILE
+
+    out_dir = _flag_value(args, "--out-dir") or _flag_value(args, "--out_dir")
+    switches = [a for a in args if a in ("--resume", "--no-resume")]
+    if out_dir is None or not switches or switches[-1] != "--resume":
+        return None
+    path = os.path.join(out_dir, CONFIG_FILE)
+    return path if os.path.isfile(path) else None
+
+
 def _defaults(args: Sequence[str]) -> TrainCommand:
-    """The train command's defaults: preset, then the YAML config, from a first look at args."""
-    file = _flag_value(args, "--config")
+    """The train command's defaults: preset, then the YAML config (`--config`, or a resumed
+    run's own), from a first look at args."""
+    file = _flag_value(args, "--config") or _resumed_config(args)
     data = load_yaml_config(file) if file else {}
     preset = _flag_value(args, "--preset") or data.get("preset", "tiny")
     model = get_preset(preset)
@@ -301,7 +315,10 @@ def _train(command: TrainCommand) -> int:
         raise ValueError("--resume needs --out-dir (the directory of the run to continue)")
     name = command.preset
     if command.config:
-        name = os.path.splitext(os.path.basename(command.config))[0]
+        # a run's own config.yaml is named after its run directory
+        stem = os.path.splitext(os.path.basename(command.config))[0]
+        parent = os.path.basename(os.path.dirname(os.path.abspath(command.config)))
+        name = parent if stem == "config" and parent else stem
     out_dir = command.out_dir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if command.compile_cache:
         _enable_compile_cache()
@@ -333,8 +350,7 @@ def _train(command: TrainCommand) -> int:
         if bar:
             bar.close()
         print(
-            f"dropless: interrupted; continue with: dropless train --out-dir {out_dir} --resume "
-            "(plus the options of this run)",
+            f"dropless: interrupted; continue with: dropless train --out-dir {out_dir} --resume",
             file=sys.stderr,
         )
         return 130
@@ -351,6 +367,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             _list_presets()
             return 0
         return _train(command)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, BackendUnavailableError) as err:
         print(f"dropless: error: {err}", file=sys.stderr)
         return 2

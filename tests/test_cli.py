@@ -65,6 +65,27 @@ def test_train_end_to_end(tmp_path, capsys):
     assert command.backend == "jnp"
 
 
+def test_resume_continues_the_run_with_its_own_config(tmp_path, capsys):
+    out = tmp_path / "small-run"
+    narrow = ["--model.n-routed-experts", "8", "--model.num-experts-per-tok", "2"]
+    assert cli.main(["train", *SMALL_RUN, "--steps", "3", *narrow, "--out-dir", str(out)]) == 0
+    capsys.readouterr()
+    # the README's form: no model or training options, only more steps
+    resumed = ["train", "--out-dir", str(out), "--resume", "--steps", "4", "--no-progress"]
+    command = cli.parse(resumed)
+    model, train_config = command.configs()
+    assert (model.n_routed_experts, model.num_experts_per_tok) == (8, 2)
+    assert (train_config.steps, train_config.batch_size, train_config.resume) == (4, 8, True)
+    assert command.backend == "jnp"
+    assert cli.main([*resumed, "--no-compile-cache"]) == 0
+    assert "resuming 'small-run'" in capsys.readouterr().out
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s in steps if s > 3] == [4, 4]  # the fourth step and its final evaluation
+    # without --resume the same directory's config is not read
+    fresh = cli.parse(["train", "--out-dir", str(out), "--no-resume"]).configs()[0]
+    assert fresh == cli.get_preset("tiny")
+
+
 def test_preset_yaml_flags_and_set_compose(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(
@@ -138,6 +159,18 @@ def test_unknown_backend_lists_the_choices(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "nope" in err and "'jnp'" in err and "'auto'" in err
+
+
+@pytest.mark.parametrize("backend", ["te", "pallas"])
+def test_a_backend_that_cannot_load_is_one_line_and_writes_nothing(backend, tmp_path, capsys):
+    if backend in dropless.available_backends():
+        pytest.skip(f"{backend} loads here")
+    out = tmp_path / "run"
+    assert cli.main(["train", "--backend", backend, "--out-dir", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dropless: error: ") and "Traceback" not in err
+    assert ("pip install" in err) if backend == "te" else ("Hopper GPU" in err)
+    assert not out.exists()
 
 
 def _field_docs(cls) -> dict[str, str]:

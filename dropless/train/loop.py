@@ -26,6 +26,7 @@ import yaml
 from jax.sharding import Mesh
 
 from dropless import sharding
+from dropless.backends import get_backend
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
 from dropless.train import metrics as metrics_lib
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
@@ -293,6 +294,7 @@ def train(
     if mesh is not None:
         train_config = dataclasses.replace(train_config, mesh=mesh)
     _validate(model_config, train_config)
+    moe_backend = get_backend(backend)  # one that cannot load fails before anything is written
     device_mesh = resolve_mesh(train_config.mesh, model_config, train_config)
     train_data, eval_data = make_datasets(train_config, model_config.vocab_size)
     out_dir = os.path.abspath(out_dir)
@@ -304,7 +306,7 @@ def train(
         "checkpoints": os.path.join(out_dir, CHECKPOINT_DIR),
     }
 
-    model = DeepSeekV3(model_config, backend=backend, key=jax.random.key(train_config.seed))
+    model = DeepSeekV3(model_config, backend=moe_backend, key=jax.random.key(train_config.seed))
     if device_mesh is not None:
         model = prepare_model(model, device_mesh)
     state = init_state(model, train_config)
