@@ -72,7 +72,7 @@ _SCALARS = (
 
 
 # Model settings that a resumed run may change: they touch no array.
-_FREE_ON_RESUME = ("compute_dtype", "remat", "attention_impl")
+_FREE_ON_RESUME = ("compute_dtype", "remat", "attention_impl", "unroll_layers")
 
 
 class TrainingDiverged(RuntimeError):
@@ -139,6 +139,21 @@ def config_dict(model_config: DeepSeekV3Config, train_config: TrainConfig, backe
     }
 
 
+def _batch(dataset: AbstractDataset, step: int, train_config: TrainConfig, split: str):
+    return dataset.batch(
+        step,
+        seed=train_config.seed,
+        batch_size=train_config.batch_size,
+        seq_len=train_config.seq_len,
+        split=split,
+    )
+
+
+def _last(records: list[dict], split: str, default=None):
+    """The last record of `split` ("train" or "eval") in `records`, else `default`."""
+    return next((r for r in reversed(records) if r.get("split") == split), default)
+
+
 def _check_batch(tokens: np.ndarray, model_config: DeepSeekV3Config) -> None:
     # Inputs, then the one column of targets the inputs do not contain.
     check_tokens(tokens[:, :-1], model_config)
@@ -201,13 +216,7 @@ def evaluate(
     micro = train_config.micro_batches
     sums: dict[str, float] = {}
     for i in range(train_config.eval_batches):
-        batch = dataset.batch(
-            i,
-            seed=train_config.seed,
-            batch_size=train_config.batch_size,
-            seq_len=train_config.seq_len,
-            split="eval",
-        )
+        batch = _batch(dataset, i, train_config, "eval")
         _check_batch(batch.tokens, model.config)
         if mesh is None:
             out = eval_step(model, jnp.asarray(batch.tokens), weights, micro)
@@ -279,8 +288,9 @@ def train(
 
     `backend`: an MoE backend name (see `dropless.backends.BACKENDS`, or "auto").
     `train_config.resume`: continue from the latest checkpoint in `out_dir/checkpoints` (the
-    model configuration must match; the training settings may change); the batches, and on CPU
-    the losses, are exactly those of an uninterrupted run.
+    model configuration must match, except its compute dtype, remat, attention implementation
+    and layer unrolling; the training settings may change); the batches, and on CPU the losses,
+    are exactly those of an uninterrupted run.
     `mesh` (or `train_config.mesh`; this argument wins): train on a device mesh, e.g.
     "data=2,expert=4" (see `dropless.train.sharded`): parameters and optimiser state sharded,
     batches split, the MoE layers on the "ep" backend when expert > 1; the steps equal the
@@ -297,6 +307,10 @@ def train(
     moe_backend = get_backend(backend)  # one that cannot load fails before anything is written
     device_mesh = resolve_mesh(train_config.mesh, model_config, train_config)
     train_data, eval_data = make_datasets(train_config, model_config.vocab_size)
+    for split, dataset in (("train", train_data), ("eval", eval_data)):
+        # one batch of each split, so that data too short for a window fails before any step
+        # (the held-out split is otherwise first read at the first evaluation)
+        _check_batch(_batch(dataset, 0, train_config, split).tokens, model_config)
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     files = {
@@ -361,12 +375,7 @@ def train(
 
     try:
         for step in range(start, train_config.steps):
-            batch = train_data.batch(
-                step,
-                seed=train_config.seed,
-                batch_size=train_config.batch_size,
-                seq_len=train_config.seq_len,
-            )
+            batch = _batch(train_data, step, train_config, "train")
             _check_batch(batch.tokens, model_config)
             began = time.perf_counter()
             if device_mesh is None:
@@ -396,16 +405,18 @@ def train(
                 writer.write(record)
             for callback in callbacks:
                 callback.on_step(record)
-            if train_config.eval_every and done % train_config.eval_every == 0:
-                run_eval(done)
+            # saved before evaluating: an evaluation that fails loses no training
             if train_config.checkpoint_every and done % train_config.checkpoint_every == 0:
                 save(done)
+            if train_config.eval_every and done % train_config.eval_every == 0:
+                run_eval(done)
 
         final = train_config.steps
-        if not eval_records or eval_records[-1]["step"] != final:
-            run_eval(final)
         if checkpointer.latest_step() != final:
             save(final)
+        # a run resumed at its last step has its final evaluation in the file already
+        if _last(writer.kept + eval_records, "eval", {}).get("step") != final:
+            run_eval(final)
         checkpointer.wait()
     finally:
         writer.close()
@@ -432,8 +443,8 @@ def train(
         json.dump(
             {
                 "steps": train_config.steps,
-                "final_train": records[-1] if records else None,
-                "final_eval": results.final_eval,
+                "final_train": _last(writer.kept + records, "train"),
+                "final_eval": _last(writer.kept + eval_records, "eval"),
                 "layer_names": layer_names,
                 "expert_load": results.expert_load.tolist(),
                 "files": files,

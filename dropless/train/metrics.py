@@ -19,17 +19,18 @@ class MetricsWriter:
     """Appends records to a JSONL file, one line each, flushed as written.
 
     `keep_until`: on opening, drop the existing records with a larger step (a resumed run
-    rewrites the steps after its checkpoint); None starts the file afresh.
+    rewrites the steps after its checkpoint); None starts the file afresh. `kept`: the records
+    kept.
     """
 
     def __init__(self, path: str, *, keep_until: int | None = None):
         self.path = path
-        kept = []
+        self.kept: list[dict] = []
         if keep_until is not None and os.path.exists(path):
-            kept = [r for r in read_jsonl(path) if r.get("step", 0) <= keep_until]
+            self.kept = [r for r in read_jsonl(path) if r.get("step", 0) <= keep_until]
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._file = open(path, "w")  # noqa: SIM115 (closed in close())
-        for record in kept:
+        for record in self.kept:
             self.write(record)
 
     def write(self, record: dict) -> None:
@@ -113,7 +114,7 @@ class Callback:
         """Before the first step: `info` has start_step, steps, out_dir, n_params, backend."""
 
     def on_step(self, record: dict) -> None:
-        """After each logged training step, with its metrics record."""
+        """After every training step (logged to the file or not), with its metrics record."""
 
     def on_eval(self, record: dict) -> None:
         """After each evaluation, with its record."""

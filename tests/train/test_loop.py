@@ -6,6 +6,7 @@ compiled eval step serve the whole session.
 """
 
 import dataclasses
+import json
 import math
 
 import equinox as eqx
@@ -113,6 +114,18 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     expected = [_without_timing(r) for r in read_jsonl(full.files["metrics"])]
     assert logged == expected
 
+    # resumed again at its last step, layers unrolled (no array changes): nothing runs, nothing
+    # is logged twice, and the summary still holds the final records
+    unrolled = TINY.replace(unroll_layers=True)
+    again = train(
+        unrolled, dataclasses.replace(settings, resume=True), backend="jnp", out_dir=crashed
+    )
+    assert again.records == [] and again.eval_records == []
+    assert [_without_timing(r) for r in read_jsonl(again.files["metrics"])] == expected
+    with open(again.files["summary"]) as f:
+        summary = json.load(f)
+    assert summary["final_train"]["step"] == summary["final_eval"]["step"] == 12
+
 
 def _leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
@@ -146,6 +159,13 @@ def test_token_file_training_and_out_of_vocabulary_ids(tmp_path):
         TINY, config(steps=3, data=str(good)), backend="jnp", out_dir=str(tmp_path / "ok")
     )
     assert len(results.records) == 3 and results.final_eval is not None
+
+    # a held-out tail shorter than one window fails before the first step, not at the first
+    # evaluation (5000 tokens, 0.5% held out: 25 < seq_len + 1)
+    short = tmp_path / "short"
+    with pytest.raises(ValueError, match="fewer than one window"):
+        train(TINY, config(data=str(good), eval_fraction=0.005), backend="jnp", out_dir=str(short))
+    assert not short.exists()
 
     bad = tmp_path / "bad.bin"
     tokens = np.random.default_rng(0).integers(0, 512, 5000).astype(np.uint16)
