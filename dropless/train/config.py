@@ -3,6 +3,8 @@
 import dataclasses
 from typing import Literal
 
+from dropless.field_types import field_type_error
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -104,6 +106,9 @@ class TrainConfig:
     """Also write TensorBoard event files (needs `pip install tensorboardX`)."""
 
     def __post_init__(self):
+        wrong_type = field_type_error(self)
+        if wrong_type:
+            raise ValueError(f"TrainConfig.{wrong_type}")
         positive = (
             "steps",
             "batch_size",
@@ -126,6 +131,8 @@ class TrainConfig:
             "bias_update_rate",
             "eval_every",
             "checkpoint_every",
+            "seed",
+            "corpus_seed",
         )
         for name in non_negative:
             if getattr(self, name) < 0:
@@ -137,6 +144,14 @@ class TrainConfig:
             )
         if not self.lr > 0:
             raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.eps > 0:
+            raise ValueError(
+                f"TrainConfig.eps must be > 0 (a parameter with zero gradients would get 0/0), "
+                f"got {self.eps}"
+            )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0 < self.eval_fraction < 1:

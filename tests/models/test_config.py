@@ -2,10 +2,12 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 
 from dropless.models.deepseek_v3 import DeepSeekV3Config, get_preset
+from dropless.models.deepseek_v3 import config as config_module
 from dropless.models.deepseek_v3.config import DROPLESS_FIELDS, REMAT_POLICIES
 from dropless.models.deepseek_v3.layers import REMAT
 
@@ -116,12 +118,18 @@ def test_choices(field, value):
         tiny(**{field: value})
 
 
-def test_unroll_layers_must_be_a_bool():
-    from jaxtyping import TypeCheckError
-
-    # with the tests' runtime type checks on, the annotation may fail first; both name the field
-    with pytest.raises((ValueError, TypeCheckError), match="unroll_layers"):
-        tiny(unroll_layers="yes")
+@pytest.mark.parametrize(
+    "field, value, rule",
+    [("n_routed_experts", 16.0, "an int"), ("q_lora_rank", 8.0, "an int or None"),
+     ("rms_norm_eps", "small", "a number"), ("unroll_layers", 1, "True or False")],
+)  # fmt: skip
+def test_field_kinds(field, value, rule):
+    # set past the constructor: the tests' runtime type checks would reject the value first,
+    # where a user's YAML or `--set` value reaches the validation
+    config = tiny()
+    object.__setattr__(config, field, value)
+    with pytest.raises(ValueError, match=re.escape(f"{field} ({value!r}) must be {rule}")):
+        config_module._validate(config)
 
 
 def test_routed_scaling_positive():

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from dropless.field_types import field_type_error
 from dropless.nn.rope import ROPE_TYPES, rope_type
 from dropless.routing import RoutingSpec
 
@@ -189,6 +190,9 @@ def _fail(rule: str) -> None:
 
 
 def _validate(c: DeepSeekV3Config) -> None:
+    wrong_type = field_type_error(c)
+    if wrong_type:
+        _fail(wrong_type)
     positive = (
         "vocab_size",
         "hidden_size",
@@ -237,8 +241,6 @@ def _validate(c: DeepSeekV3Config) -> None:
     ):
         if getattr(c, name) not in allowed:
             _fail(f"{name} ({getattr(c, name)!r}) must be one of {allowed}")
-    if not isinstance(c.unroll_layers, bool):
-        _fail(f"unroll_layers ({c.unroll_layers!r}) must be True or False")
 
 
 def _validate_routing(c: DeepSeekV3Config) -> None:

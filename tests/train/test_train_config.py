@@ -1,0 +1,44 @@
+"""TrainConfig's validation: each bad value names its field and the rule."""
+
+import dataclasses
+
+import pytest
+
+from dropless.train.config import TrainConfig
+
+
+def validate(**values) -> None:
+    """TrainConfig's checks on the defaults with `values` set past the constructor: the tests'
+    runtime type checks would reject a wrongly typed value first, where a user's YAML or
+    `--set` value reaches the checks."""
+    config = TrainConfig()
+    for name, value in values.items():
+        object.__setattr__(config, name, value)
+    config.__post_init__()
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"steps": 2.0}, "TrainConfig.steps (2.0) must be an int"),
+        ({"batch_size": True}, "TrainConfig.batch_size (True) must be an int"),
+        ({"plots": "yes"}, "TrainConfig.plots ('yes') must be True or False"),
+        ({"steps": 0}, "TrainConfig.steps must be >= 1, got 0"),
+        ({"seed": -1}, "TrainConfig.seed must be >= 0, got -1"),
+        ({"corpus_seed": -2}, "TrainConfig.corpus_seed must be >= 0, got -2"),
+        ({"b1": 1.0}, "TrainConfig.b1 must be in [0, 1), got 1.0"),
+        ({"b2": -0.5}, "TrainConfig.b2 must be in [0, 1), got -0.5"),
+        ({"eps": 0.0}, "TrainConfig.eps must be > 0"),
+        ({"lr": 0.0}, "TrainConfig.lr must be > 0, got 0.0"),
+    ],
+)
+def test_bad_values_name_the_field_and_the_rule(changes, message):
+    with pytest.raises(ValueError) as err:
+        validate(**changes)
+    assert str(err.value).startswith(message)
+
+
+def test_the_defaults_and_edge_values_are_accepted():
+    validate()
+    validate(b1=0.0, b2=0.0, seed=0, lr=1, eps=1e-30, mesh=None)  # an int for a float field
+    assert dataclasses.replace(TrainConfig(), b1=0.5).b1 == 0.5
