@@ -83,6 +83,13 @@ class MoE(eqx.Module):
     ):
         from dropless.backends import get_backend  # the registry imports this module
 
+        for name, value, least in (
+            ("dim", dim, 1),
+            ("moe_intermediate_size", moe_intermediate_size, 1),
+            ("n_shared_experts", n_shared_experts, 0),
+        ):
+            if value < least:
+                raise ValueError(f"MoE: {name} ({value}) must be >= {least}")
         bundle = get_backend(backend)
         k_router, k_experts, k_shared = jax.random.split(key, 3)
         self.router = TopKRouter(dim, spec, dtype=dtype, topk=bundle.topk, key=k_router)
@@ -105,6 +112,9 @@ class MoE(eqx.Module):
         self, x: Float[Array, "tokens dim"], *, seq_len: int | None = None
     ) -> tuple[Float[Array, "tokens dim"], MoEStats]:
         """`seq_len` groups tokens into sequences for the sequence-wise balance loss."""
+        dim = self.router.w_router.shape[1]
+        if x.ndim != 2 or x.shape[1] != dim:
+            raise ValueError(f"MoE: x must be [tokens dim] with dim = {dim}, got shape {x.shape}")
         routing = self.router(x)
         dispatched = self.dispatcher.dispatch(x, routing)
         y_rows = self.experts(dispatched.rows, dispatched.group_sizes)

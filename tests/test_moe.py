@@ -1,5 +1,7 @@
 """The MoE layer: every backend equals the dense oracle, output and gradients."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -7,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jaxtyping import TypeCheckError
 
 import dropless
 from dropless.backends import BackendUnavailableError, get_backend, with_backend
@@ -155,7 +158,20 @@ def test_auto_without_te(monkeypatch, gpu):
 
 def test_wrong_input_shape_is_rejected():
     moe = MoE(12, 10, SPECS[0][0], key=jax.random.key(0))
-    with pytest.raises(Exception, match="dim|12|shape"):
+    message = "x must be [tokens dim] with dim = 12, got shape (4, 5)"
+    with pytest.raises(ValueError, match=re.escape(message)):
         moe(jnp.zeros((4, 5)))
-    with pytest.raises(Exception):
+    # with the tests' runtime type checks on, the annotation may object to the rank first
+    with pytest.raises((ValueError, TypeCheckError), match=r"tokens dim"):
         moe(jnp.zeros((2, 4, 12)))
+
+
+@pytest.mark.parametrize(
+    "sizes, message",
+    [((0, 10, 0), "dim (0) must be >= 1"), ((12, 0, 0), "moe_intermediate_size (0) must be >= 1"),
+     ((12, 10, -1), "n_shared_experts (-1) must be >= 0")],
+)  # fmt: skip
+def test_bad_sizes_name_the_argument(sizes, message):
+    dim, hidden, shared = sizes
+    with pytest.raises(ValueError, match=re.escape(f"MoE: {message}")):
+        MoE(dim, hidden, SPECS[0][0], n_shared_experts=shared, key=jax.random.key(0))

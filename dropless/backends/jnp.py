@@ -177,6 +177,15 @@ class SortDispatcher(AbstractDispatcher):
         return combine_rows(y_rows, routing.weights, plan.order, plan.inverse)
 
 
+def _check_count(name: str, value, *allowed) -> None:
+    """Raises ValueError naming `name` unless `value` is one of `allowed` or an int >= 1."""
+    if any(value is a or (isinstance(a, str) and value == a) for a in allowed):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        choices = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{name} ({value!r}) must be {choices} or an int >= 1")
+
+
 def default_chunk(rows: int, n_experts: int, per_group: int = 4) -> int:
     """A power of two near 1/`per_group` of the mean group size, in [16, 512]: big enough for
     an efficient matmul, small enough that the padding per expert (< chunk rows) stays cheap."""
@@ -409,6 +418,9 @@ class ChunkedGroupedMatmul(AbstractGroupedMatmul):
 
     chunk: int | None = eqx.field(default=None, static=True)
 
+    def __check_init__(self):
+        _check_count("chunk", self.chunk, None)
+
     def _impl(self, lhs, rhs, group_sizes):
         chunk = self.chunk or default_chunk(lhs.shape[0], rhs.shape[0])
         return chunked_grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32), chunk)
@@ -553,9 +565,8 @@ class CapacityGroupedMatmul(AbstractGroupedMatmul):
     def __check_init__(self):
         if not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor ({self.capacity_factor}) must be > 0")
-        n = self.chunks_per_trip
-        if n not in (None, "auto") and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise ValueError(f"chunks_per_trip ({n!r}) must be None, 'auto' or an int >= 1")
+        _check_count("chunk", self.chunk, None)
+        _check_count("chunks_per_trip", self.chunks_per_trip, None, "auto")
 
     def per_trip(self) -> int | None:
         """The overflow walk this strategy uses on the default platform (see chunks_per_trip)."""

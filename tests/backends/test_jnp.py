@@ -170,6 +170,14 @@ def test_chunks_per_trip_must_be_a_positive_int(bad):
         CapacityGroupedMatmul(chunks_per_trip=bad)
 
 
+@pytest.mark.parametrize("make", [ChunkedGroupedMatmul, CapacityGroupedMatmul])
+@pytest.mark.parametrize("bad", [0, -2, True])
+def test_chunk_must_be_a_positive_int(make, bad):
+    with pytest.raises(ValueError, match=rf"chunk \({bad!r}\) must be None or an int >= 1"):
+        make(chunk=bad)
+    assert make(chunk=None).chunk is None and make(chunk=3).chunk == 3
+
+
 def test_chunks_per_trip_auto_is_nested_on_the_cpu_and_flat_on_accelerators(monkeypatch):
     import dropless.backends.jnp as jnp_backend
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxtyping import TypeCheckError
 
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
@@ -298,5 +299,8 @@ def test_bad_tokens(model):
     # The model itself: concrete ids are checked, lengths always (they are static).
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model(jnp.array([[1, 600]]))
+    # a 1-D batch: with the tests' runtime type checks on, the annotation may object first
+    with pytest.raises((ValueError, TypeCheckError), match=r"batch seq"):
+        model(jnp.zeros((8,), jnp.int32))
     with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
         jax.jit(lambda t: model(t))(jnp.zeros((1, 513), jnp.int32))

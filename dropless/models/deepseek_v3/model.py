@@ -86,6 +86,8 @@ class DeepSeekV3(eqx.Module):
         `check_tokens` on the host batch instead.
         """
         c = self.config
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch seq], got shape {tokens.shape}")
         if tokens.shape[1] > c.max_position_embeddings:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds max_position_embeddings "
