@@ -118,13 +118,14 @@ class TrainCommand:
     preset: Literal[_PRESET_NAMES] = "tiny"  # type: ignore[valid-type]
     """Model preset that the model options start from."""
     config: str | None = None
-    """YAML file with sections `preset`, `backend`, `model`, `train` (e.g. a run's
-    config.yaml); flags override it."""
+    """YAML file with (some of) the sections `preset`, `backend`, `model`, `train`, such as
+    the config.yaml of a run; flags override it."""
     backend: Literal[_BACKEND_NAMES] = "auto"  # type: ignore[valid-type]
     """MoE backend: 'auto' (pallas on a Hopper GPU, te-gmm on other GPUs where TE imports,
     jnp-capacity on a GPU without it, else jnp), 'jnp', 'ragged', 'te', ..."""
     out_dir: str | None = None
-    """Output directory (default: runs/<preset>-<date>-<time>); --resume needs it."""
+    """Output directory (default: runs/<preset>-<date>-<time>); --resume needs it, and
+    continues the run with the settings of its config.yaml (flags override them)."""
     set: tuple[str, ...] = ()
     """Dotted overrides applied last, values in YAML: --set model.n_routed_experts=32
     train.lr=1e-3."""
@@ -326,7 +327,8 @@ def _train(command: TrainCommand) -> int:
     verb = "resuming" if train_config.resume else "training"
     mesh = f", mesh {train_config.mesh}" if train_config.mesh else ""
     print(
-        f"dropless: {verb} '{name}' on {data} for {train_config.steps} steps "
+        f"dropless: {verb} '{name}' on {data} for {train_config.steps} "
+        f"step{'s' if train_config.steps != 1 else ''} "
         f"(batch {train_config.batch_size} x {train_config.seq_len} tokens, backend "
         f"{command.backend}{mesh}) -> {out_dir}",
         flush=True,
@@ -370,3 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, BackendUnavailableError) as err:
         print(f"dropless: error: {err}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

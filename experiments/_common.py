@@ -19,11 +19,13 @@ from dropless.train import TrainConfig  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 
-def parser(name: str, doc: str, *, steps: int) -> argparse.ArgumentParser:
-    """The arguments every experiment takes: --size, --steps, --out (and batch/seq/seed)."""
+def parser(name: str, doc: str, *, steps: int | None) -> argparse.ArgumentParser:
+    """The arguments every experiment takes: --size, --out (and batch/seq/seed), and --steps
+    for those that train (`steps` its default; None: the experiment does not train)."""
     p = argparse.ArgumentParser(prog=f"experiments/{name}.py", description=doc)
     p.add_argument("--size", default="tiny", choices=["tiny", "small"], help="model preset")
-    p.add_argument("--steps", type=int, default=steps, help="training steps per run")
+    if steps is not None:
+        p.add_argument("--steps", type=int, default=steps, help="training steps per run")
     p.add_argument("--out", default=f"results/{name}", help="results folder")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)

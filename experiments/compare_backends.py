@@ -134,7 +134,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    p = parser("compare_backends", __doc__, steps=0)
+    p = parser("compare_backends", __doc__, steps=None)
     p.add_argument("--tokens", type=int, default=1024, help="tokens through the MoE layer")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--backends", nargs="+", default=None, help="default: all available")

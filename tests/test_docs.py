@@ -10,7 +10,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-TUTORIALS = ["concepts.md", "deepseek-v3.md", "getting-started.md"]
+TUTORIALS = ["backends.md", "concepts.md", "deepseek-v3.md", "getting-started.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
