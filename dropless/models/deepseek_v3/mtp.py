@@ -87,7 +87,12 @@ class MTP(eqx.Module):
         *,
         remat: str = "none",
     ) -> tuple[Float[Array, "depth batch seq vocab"], MoEStats | None]:
-        """Logits of every depth from the main hidden state `h` and token embeddings `emb`."""
+        """Logits of every depth from the main hidden state `h` and token embeddings `emb`.
+
+        Depth d's last d + 1 positions have no next token: their embedding input is zeros and
+        their logits are masked out of the loss (`mtp_targets`), but their MoE routing counts in
+        the block's stats (balance losses, the bias update's load) like any other position's:
+        a share of (d + 1) / seq, which keeps every shape static."""
         depth = jax.tree.leaves(eqx.filter(self.layers, eqx.is_array))[0].shape[0]
         seq = emb.shape[1]
         # Depth d reads the embedding of token i + d + 1: shift left, pad the end with zeros.
