@@ -252,8 +252,8 @@ def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
 
 def check_expert_parallel(model: PyTree, mesh: Mesh) -> None:
     """Raises if `model` cannot run sharded on `mesh`: a dispatcher that cannot move tokens
-    between devices while the expert axis is > 1, a dispatcher whose axis the mesh lacks, or a
-    number of experts that the expert axis does not divide."""
+    between devices while the expert axis is > 1, a dispatcher whose axis the mesh lacks or
+    that is not the expert axis, or a number of experts that the expert axis does not divide."""
     ep = mesh.shape.get("expert", 1)
     nodes = jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, AbstractDispatcher))
     for node in nodes:
@@ -269,6 +269,12 @@ def check_expert_parallel(model: PyTree, mesh: Mesh) -> None:
             raise ValueError(
                 f"{type(node).__name__}.axis_name is {axis!r}, which is not an axis of the mesh "
                 f"{dict(mesh.shape)}"
+            )
+        expert_axes = AXIS_RULES["experts"]
+        if ep > 1 and axis is not None and axis not in expert_axes:
+            raise ValueError(
+                f"{type(node).__name__}.axis_name is {axis!r}, but the experts are split over "
+                f"{expert_axes[0]!r} (size {ep}); dispatch over that axis"
             )
     arrays = eqx.filter(model, eqx.is_array)
     param_specs(arrays, mesh, fsdp_min_size=2**62)  # raises on indivisible experts
@@ -339,7 +345,11 @@ def reduce_moe_stats(stats: MoEStats, axes: tuple[str, ...]) -> MoEStats:
 
 class ShardedMoE(eqx.Module):
     """An MoE layer run by `jax.shard_map` over `mesh`: call it on global tokens `[tokens dim]`
-    (split over `batch_axes`), get global outputs and whole-batch `MoEStats`.
+    (split over `batch_axes`), get global outputs and `MoEStats` of the whole batch as
+    `reduce_moe_stats` forms them: counts and MaxVio of all tokens, the losses averaged over
+    shards. With `seq_len=None` each shard's tokens count as one sequence, so the sequence-wise
+    (and the batch-wise) balance loss differ from one `MoE` call on all the tokens; pass the
+    sequence length to make the sequence-wise loss exact.
 
     `moe` holds global arrays; inside, each device sees its slice of the experts. Differentiable
     with respect to `moe` and the tokens. The tokens must divide evenly over the batch axes.

@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset, scan_blocks, unstack  # noqa: E402
@@ -86,3 +87,13 @@ def cross_entropy(logits, window) -> jax.Array:
 def moe_layers(model: DeepSeekV3) -> list[eqx.Module]:
     """The MoE modules of the main stack, one per layer (unstacked)."""
     return [unstack(model.moe_layers, i).mlp for i in range(model.config.n_moe_layers)]
+
+
+def smoothed(values, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values): the moving average over `window` steps of a per-step series (steps 1,
+    2, ...), each average placed at the last step it covers."""
+    values = np.asarray(values, float)
+    window = max(1, min(window, len(values)))
+    return np.arange(window, len(values) + 1), np.convolve(
+        values, np.ones(window) / window, mode="valid"
+    )

@@ -38,16 +38,17 @@ def errors(got, ref) -> tuple[float, float]:
     return abs_err, abs_err / max(scale, 1e-30)
 
 
-def layer_rows(config, names: list[str], tokens: int, repeats: int) -> list[dict]:
+def layer_rows(config, names: list[str], tokens: int, repeats: int, seed: int) -> list[dict]:
+    k_model, k_x, k_cot = jax.random.split(jax.random.key(seed), 3)
     moe = dropless.MoE(
         config.hidden_size,
         config.moe_intermediate_size,
         config.routing_spec(),
         n_shared_experts=config.n_shared_experts,
-        key=jax.random.key(0),
+        key=k_model,
     )
-    x = jax.random.normal(jax.random.key(1), (tokens, config.hidden_size))
-    cot = jax.random.normal(jax.random.key(2), (tokens, config.hidden_size))
+    x = jax.random.normal(k_x, (tokens, config.hidden_size))
+    cot = jax.random.normal(k_cot, (tokens, config.hidden_size))
 
     def loss(m, x, fn):
         return jnp.sum(fn(m, x) * cot)
@@ -83,10 +84,12 @@ def agreement_row(what, name, m, inputs, fwd, grad, ref_y, ref_g, repeats) -> di
     )
 
 
-def model_rows(config, names: list[str], batch: int, seq: int, repeats: int) -> list[dict]:
-    model = DeepSeekV3(config, backend="jnp", key=jax.random.key(0))
+def model_rows(
+    config, names: list[str], batch: int, seq: int, repeats: int, seed: int
+) -> list[dict]:
+    model = DeepSeekV3(config, backend="jnp", key=jax.random.key(seed))
     window = jnp.asarray(
-        SyntheticCorpus(config.vocab_size).batch(0, seed=0, batch_size=batch, seq_len=seq).tokens
+        SyntheticCorpus(config.vocab_size).batch(0, seed=seed, batch_size=batch, seq_len=seq).tokens
     )
 
     def logits(m, w):
@@ -142,8 +145,8 @@ def main(argv=None) -> list[dict]:
     out = pathlib.Path(args.out)
     config = get_preset(args.size)
     names = args.backends or [b for b in dropless.available_backends() if b not in MULTI_DEVICE]
-    rows = layer_rows(config, names, args.tokens, args.repeats)
-    rows += model_rows(config, names, args.batch_size, args.seq_len, args.repeats)
+    rows = layer_rows(config, names, args.tokens, args.repeats, args.seed)
+    rows += model_rows(config, names, args.batch_size, args.seq_len, args.repeats, args.seed)
     meta = dict(
         machine=machine(),
         size=args.size,

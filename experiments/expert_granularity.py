@@ -14,7 +14,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import model_config, parser, train_config  # noqa: E402
+from _common import model_config, parser, smoothed, train_config  # noqa: E402
 from _timing import machine, print_table, write_results  # noqa: E402
 
 from dropless.models.deepseek_v3 import count_params  # noqa: E402
@@ -30,14 +30,21 @@ def main(argv=None) -> list[dict]:
     # active expert width of the first setting, kept for all of them
     e0, k0 = (int(v) for v in args.sweep[0].split("/"))
     width = base.moe_intermediate_size * k0
-    rows, curves = [], {}
-    for setting in args.sweep:
+    for setting in args.sweep:  # all checked before anything trains
         experts, k = (int(v) for v in setting.split("/"))
+        if experts * k0 != e0 * k:
+            raise ValueError(
+                f"{setting}: experts / top-k must be the first setting's {e0}/{k0}, so that "
+                "the routed parameters stay equal"
+            )
         if width % k or (base.n_shared_experts * k) % k0:
             raise ValueError(
                 f"{setting}: the active width {width} and the shared width must divide evenly "
                 f"(top-k {k} against the first setting's {k0})"
             )
+    rows, curves = [], {}
+    for setting in args.sweep:
+        experts, k = (int(v) for v in setting.split("/"))
         # The shared experts' width is n_shared_experts * moe_intermediate_size: scale their
         # count so that it, too, stays fixed while the routed experts get finer.
         mc = base.replace(
@@ -72,7 +79,7 @@ def main(argv=None) -> list[dict]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     n = max(1, args.steps // 20)
     for setting, ce in curves.items():
-        axes[0].plot(np.convolve(ce, np.ones(n) / n, mode="valid"), label=setting)
+        axes[0].plot(*smoothed(ce, n), label=setting)
     axes[0].set(xlabel="step", ylabel="train cross-entropy (nats)", title="loss (experts/top-k)")
     axes[0].legend()
     labels = [f"{r['experts']}/{r['top_k']}" for r in rows]

@@ -6,7 +6,9 @@ Trains on the built-in corpus (a mixture of random Markov-chain "languages", one
 sequence), then routes held-out batches layer by layer (calling each MoE layer's router on its
 own input) and counts, per language, the share of its routed copies that go to each expert.
 A uniform router gives 1/experts everywhere; a specialised one gives bright, language-specific
-cells. `specialisation` = mean over experts of max_language share / mean_language share.
+cells. `specialisation` = mean over experts of max_language share / mean_language share, over
+the languages that the held-out batches hold and the experts that they use (1: no language
+preference); `top_expert_share` = mean over those languages of their largest expert share.
 """
 
 import pathlib
@@ -39,6 +41,17 @@ def counts_per_sequence(model, tokens):
     return jnp.stack(out)
 
 
+def language_preference(share: np.ndarray, seen: np.ndarray) -> tuple[float, float]:
+    """(specialisation, top_expert_share) of one layer's [languages experts] shares, over the
+    `seen` languages (a language without sequences has no shares to compare) and the experts
+    they use (an expert no language uses has no preference to measure); nan if none."""
+    s = share[seen]
+    used = s.mean(0) > 0 if len(s) else np.zeros(share.shape[1], bool)
+    if not used.any():
+        return float("nan"), float("nan")
+    return float(np.mean(s.max(0)[used] / s.mean(0)[used])), float(s.max(1).mean())
+
+
 def main(argv=None) -> list[dict]:
     p = parser("expert_specialisation", __doc__, steps=150)
     p.add_argument("--eval-batches", type=int, default=4)
@@ -50,6 +63,7 @@ def main(argv=None) -> list[dict]:
     corpus = SyntheticCorpus(mc.vocab_size, n_languages=tc.n_languages, corpus_seed=tc.corpus_seed)
     n_lang, n_exp = tc.n_languages, mc.n_routed_experts
     usage = np.zeros((mc.n_moe_layers, n_lang, n_exp))
+    sequences = np.zeros(n_lang, int)
     for step in range(args.eval_batches):
         batch = corpus.batch(
             step, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len, split="eval"
@@ -57,21 +71,28 @@ def main(argv=None) -> list[dict]:
         c = np.asarray(counts_per_sequence(model, jnp.asarray(batch.tokens[:, :-1])))
         for lang in range(n_lang):
             usage[:, lang] += c[:, batch.language == lang].sum(1)
+            sequences[lang] += int(np.sum(batch.language == lang))
     share = usage / np.maximum(usage.sum(-1, keepdims=True), 1)  # [layers lang experts]
     rows = []
     for layer in range(mc.n_moe_layers):
-        s = share[layer]
-        spec = float(np.mean(s.max(0) / np.maximum(s.mean(0), 1e-12)))
+        spec, top = language_preference(share[layer], sequences > 0)
         rows.append(
             dict(
                 layer=mc.first_k_dense_replace + layer,
                 specialisation=spec,
-                top_expert_share=float(s.max(1).mean()),
+                top_expert_share=top,
                 uniform_share=1 / n_exp,
+                languages_seen=int(np.sum(sequences > 0)),
                 copies=int(usage[layer].sum()),
             )
         )
-    meta = dict(machine=machine(), size=args.size, steps=args.steps, languages=n_lang)
+    meta = dict(
+        machine=machine(),
+        size=args.size,
+        steps=args.steps,
+        languages=n_lang,
+        sequences_per_language=sequences.tolist(),
+    )
     write_results(out, "expert_specialisation", rows, {**meta, "share": share.tolist()})
     n = mc.n_moe_layers
     fig, axes = plt.subplots(

@@ -15,7 +15,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import model_config, parser, train_config  # noqa: E402
+from _common import model_config, parser, smoothed, train_config  # noqa: E402
 from _timing import machine, print_table, write_results  # noqa: E402
 
 from dropless.train import train  # noqa: E402
@@ -32,17 +32,13 @@ def variants(aux: float, rate: float) -> dict[str, dict]:
     }
 
 
-def smooth(x, n: int) -> np.ndarray:
-    x = np.asarray(x, float)
-    n = max(1, min(n, len(x)))
-    return np.convolve(x, np.ones(n) / n, mode="valid")
-
-
 def main(argv=None) -> list[dict]:
     p = parser("load_balance", __doc__, steps=150)
     p.add_argument("--aux", type=float, default=1e-2, help="aux loss coefficient (batch/seq)")
     p.add_argument("--rate", type=float, default=1e-2, help="expert-bias update rate")
-    p.add_argument("--only", nargs="*", default=None, help="run only these variants")
+    p.add_argument(
+        "--only", nargs="*", default=None, choices=list(variants(0, 0)), help="run only these"
+    )
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
     mc = model_config(args)
@@ -73,8 +69,8 @@ def main(argv=None) -> list[dict]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     window = max(1, args.steps // 20)
     for name, c in curves.items():
-        axes[0].plot(smooth(c["ce"], window), label=name)
-        axes[1].plot(smooth(c["max_vio"], window), label=name)
+        axes[0].plot(*smoothed(c["ce"], window), label=name)
+        axes[1].plot(*smoothed(c["max_vio"], window), label=name)
     axes[0].set(xlabel="step", ylabel="train cross-entropy (nats)", title="loss")
     axes[1].set(xlabel="step", ylabel="MaxVio (mean over MoE layers)", title="imbalance")
     axes[1].set_yscale("log")

@@ -65,6 +65,38 @@ def test_capacity_layer_without_drops_equals_dropless():
     assert int(copies) == 64 - 8
 
 
+def test_language_preference_counts_only_the_languages_seen():
+    import numpy as np
+
+    module = load("expert_specialisation")
+    share = np.array([[0.5, 0.5, 0.0], [0.0, 0.0, 0.0], [0.25, 0.25, 0.5], [0.0, 0.0, 0.0]])
+    seen = np.array([True, False, True, False])  # languages 1 and 3 had no sequences
+    spec, top = module.language_preference(share, seen)
+    # over languages 0 and 2: expert maxima 0.5, 0.5, 0.5 over means 0.375, 0.375, 0.25
+    assert spec == np.mean([0.5 / 0.375, 0.5 / 0.375, 0.5 / 0.25])
+    assert top == 0.5
+    # an expert that no seen language uses is left out, not counted as 0
+    spec, _ = module.language_preference(np.array([[1.0, 0.0, 0.0]]), np.array([True]))
+    assert spec == 1.0  # experts 1 and 2 unused: not two zeros in the mean
+    assert np.isnan(module.language_preference(share, np.zeros(4, bool))[0])
+
+
+def test_smoothed_curves_sit_at_the_last_step_they_average():
+    import numpy as np
+
+    steps, values = load("_common").smoothed([1.0, 2.0, 3.0, 4.0, 5.0], 2)  # steps 1..5
+    np.testing.assert_array_equal(steps, [2, 3, 4, 5])
+    np.testing.assert_array_equal(values, [1.5, 2.5, 3.5, 4.5])
+
+
+def test_experiment_arguments_are_checked(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load("load_balance").main(["--only", "nonee", "--out", str(tmp_path)])
+    assert exit_.value.code == 2 and "invalid choice: 'nonee'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"8/4: experts / top-k must be the first setting's 8/2"):
+        load("expert_granularity").main([*SMALL, "--sweep", "8/2", "8/4", "--out", str(tmp_path)])
+
+
 def test_profile_attributes_time_to_named_scopes_and_directions(tmp_path):
     import jax
     import jax.numpy as jnp

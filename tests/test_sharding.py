@@ -241,6 +241,19 @@ def test_train_step_refuses_a_single_device_dispatcher():
         step.init(make_moe())
 
 
+def test_dispatchers_must_exchange_over_the_expert_axis():
+    from dropless.backends.ep import AllToAllDispatcher
+
+    mesh = sharding.make_mesh(data=2, expert=4)
+    moe = with_backend(make_moe(), "ep")
+    sharding.check_expert_parallel(moe, mesh)  # the "ep" backend's axis
+    for axis, message in (("data", "but the experts are split over 'expert'"),
+                          ("model", "which is not an axis of the mesh")):  # fmt: skip
+        wrong = eqx.tree_at(lambda m: m.dispatcher, moe, AllToAllDispatcher(axis_name=axis))
+        with pytest.raises(ValueError, match=message):
+            sharding.check_expert_parallel(wrong, mesh)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("unroll", [False, True], ids=["scan", "unrolled"])
 def test_deepseek_v3_tiny_sharded_step_equals_unsharded(unroll):

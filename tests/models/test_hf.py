@@ -511,6 +511,11 @@ def test_dtype_and_overrides(saved):
     np.testing.assert_array_equal(router, model.moe_layers.mlp.router.w_router)
     with pytest.raises(ValueError, match="dtype 'float16' must be one of"):
         from_pretrained(path, dtype="float16")
+    with pytest.raises(ValueError, match=r"param_dtype: pass dtype= \(the loaded"):
+        from_pretrained(path, param_dtype="float32")
+    # an override that changes the shapes: the error says config.json was overridden
+    with pytest.raises(CheckpointError, match=r"as changed by the overrides n_routed_experts=8"):
+        from_pretrained(path, n_routed_experts=8)
 
 
 def test_max_shard_size_forms(saved, tmp_path):

@@ -34,7 +34,7 @@ from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
 from dropless.backends import Backend
-from dropless.models.deepseek_v3.config import DTYPES, DeepSeekV3Config
+from dropless.models.deepseek_v3.config import DROPLESS_FIELDS, DTYPES, DeepSeekV3Config
 from dropless.models.deepseek_v3.hf_names import (
     FUSED_EXPERTS,
     LAYER,
@@ -282,6 +282,8 @@ def _param_dtype(dtype: Any, hf: Mapping[str, Any], fp8: bool) -> str:
 def _config(
     path: pathlib.Path, dtype: Any, overrides: Mapping[str, Any]
 ) -> tuple[DeepSeekV3Config, tuple[int, int] | None]:
+    if "param_dtype" in overrides:
+        raise ValueError("param_dtype: pass dtype= (the loaded parameters' dtype) instead")
     hf = _read_hf_config(path)
     fp8_block = _fp8_block(hf, path / CONFIG_NAME)
     param_dtype = _param_dtype(dtype, hf, fp8_block is not None)
@@ -449,7 +451,15 @@ def from_pretrained(
         table = tensor_table(shapes, config, fused_layers=fused)
         check_coverage(table, shapes)
         ignore_from = config.num_hidden_layers if ignore_mtp else None
-        reads = _plan(table, ckpt, fp8_block, ignore_from, path)
+        try:
+            reads = _plan(table, ckpt, fp8_block, ignore_from, path)
+        except CheckpointError as err:
+            shaping = {k: v for k, v in overrides.items() if k not in DROPLESS_FIELDS}
+            if not shaping:
+                raise
+            given = ", ".join(f"{k}={v!r}" for k, v in shaping.items())
+            message = f"{err} (config.json as changed by the overrides {given})"
+            raise CheckpointError(message) from None
         arrays = _read(reads, leaves, ckpt, fp8_block or DEFAULT_FP8_BLOCK, progress, path)
     finally:
         ckpt.close()
