@@ -11,13 +11,15 @@ reverse-mode autodiff only (no `jax.jvp` / `jax.jacfwd` through it).
 
 `cast_for_compute` is a cast whose gradient is materialised in the compute dtype before it is
 cast back, for weight stacks used only in that dtype (see its docstring).
+
+`apply_updates` adds optimiser updates to parameters and keeps each parameter's dtype.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, PyTree
 
 
 def f32_einsum(spec: str, a: Float[Array, "..."], b: Float[Array, "..."]) -> Float[Array, "..."]:
@@ -72,3 +74,16 @@ def _cast_bwd(dtype, source_dtype, _, g):
 
 
 _cast_for_compute.defvjp(_cast_fwd, _cast_bwd)
+
+
+def apply_updates(model: PyTree, updates: PyTree) -> PyTree:
+    """`model + updates` where an update is not None, each sum in its parameter's dtype.
+
+    `eqx.apply_updates` returns `p + u` as promoted: a bfloat16 parameter with AdamW's float32
+    update comes back float32, so a `param_dtype="bfloat16"` model would silently train in
+    float32 after its first step (and a checkpoint restored into bfloat16 would differ)."""
+
+    def add(update, param):
+        return param if update is None else (param + update).astype(param.dtype)
+
+    return jax.tree.map(add, updates, model, is_leaf=lambda x: x is None)

@@ -35,6 +35,7 @@ from dropless import balance
 from dropless.dispatch import AbstractDispatcher
 from dropless.experts import GroupedExperts
 from dropless.moe import MoE, MoEStats
+from dropless.precision import apply_updates
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 
@@ -503,7 +504,7 @@ class ShardedTrainStep(eqx.Module):
         loss, aux = out if self.has_aux else (out, None)
         params = eqx.filter(model, self.diff_filter)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        model = eqx.apply_updates(model, updates)
+        model = apply_updates(model, updates)
         # Keep every array where it lives (the update is elementwise; say so to the compiler).
         arrays, static = eqx.partition(model, eqx.is_array)
         arrays = jax.lax.with_sharding_constraint(

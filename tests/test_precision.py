@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.precision import cast_for_compute, f32_einsum
+from dropless.precision import apply_updates, cast_for_compute, f32_einsum
 
 SPECS = {
     "bsd,dv->bsv": ((2, 5, 16), (16, 40)),  # the LM head
@@ -80,3 +80,13 @@ def test_cast_for_compute_gradient_passes_a_barrier_in_the_compute_dtype(dtype):
         if eqn.primitive.name == "optimization_barrier"
     ]
     assert barriers == [[jnp.dtype(dtype)]]
+
+
+def test_apply_updates_keeps_each_parameter_dtype():
+    params = {"w": jnp.ones((3,), jnp.bfloat16), "v": jnp.ones((2,)), "frozen": jnp.zeros(2)}
+    updates = {"w": jnp.full((3,), 0.25, jnp.float32), "v": jnp.full((2,), 0.5), "frozen": None}
+    new = apply_updates(params, updates)
+    assert new["w"].dtype == jnp.bfloat16  # p + u alone would be float32
+    np.testing.assert_array_equal(new["w"], jnp.full((3,), 1.25, jnp.bfloat16))
+    np.testing.assert_array_equal(new["v"], jnp.full((2,), 1.5))
+    assert new["frozen"] is params["frozen"]

@@ -241,6 +241,25 @@ def test_train_step_refuses_a_single_device_dispatcher():
         step.init(make_moe())
 
 
+def test_sharded_step_keeps_parameter_dtypes():
+    mesh = sharding.make_mesh(data=2, expert=4)
+    moe = jax.tree.map(
+        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a,
+        with_backend(make_moe(), "ep"),
+    )
+    to_f32 = optax.stateless(lambda u, _: jax.tree.map(lambda x: x.astype(jnp.float32), u))
+    step = sharding.make_train_step(
+        moe_loss, optax.chain(optax.sgd(0.1), to_f32), mesh, has_aux=True
+    )
+    model, opt_state = step.init(moe)
+    key = jax.random.key(5)
+    x = jax.random.normal(key, (64, DIM), jnp.bfloat16)
+    model, *_ = step(model, opt_state, step.shard_batch({"x": x, "y": jnp.tanh(x)}))
+    dtypes = [a.dtype for a in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+    assert set(dtypes) == {jnp.dtype(jnp.bfloat16)}  # float32 updates, bf16 parameters
+    assert not jnp.array_equal(model.router.w_router, moe.router.w_router)
+
+
 def test_dispatchers_must_exchange_over_the_expert_axis():
     from dropless.backends.ep import AllToAllDispatcher
 

@@ -7,7 +7,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 
 def init_linear(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int, dtype) -> Array:
-    """Truncated-normal init with std 1/sqrt(fan_in), the scale every projection here uses."""
+    """A normal of scale 1/sqrt(fan_in) truncated at two scales (so a standard deviation of
+    about 0.88/sqrt(fan_in)), the init every projection here uses."""
     std = fan_in**-0.5
     return (std * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)).astype(dtype)
 

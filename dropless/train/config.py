@@ -39,9 +39,11 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate, reached at the end of warmup."""
     warmup_steps: int = 20
-    """Steps of linear warmup from 0 to `lr`."""
+    """Steps of linear warmup from 0 to `lr` (step 0's rate is 0: it only fills AdamW's
+    moments)."""
     min_lr_ratio: float = 0.1
-    """Final learning rate of the cosine decay, as a fraction of `lr`."""
+    """Final learning rate of the cosine decay, as a fraction of `lr` (reached at `steps`, so
+    the last step runs just above it)."""
     weight_decay: float = 0.1
     """Decoupled weight decay, on matrices only (never norms, biases or other 1-D parameters)."""
     b1: float = 0.9

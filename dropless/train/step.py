@@ -29,6 +29,7 @@ from dropless.models.deepseek_v3 import (
     with_updated_expert_bias,
 )
 from dropless.moe import MoE, MoEStats
+from dropless.precision import apply_updates
 from dropless.train import optim
 from dropless.train.accumulate import accumulated
 from dropless.train.config import TrainConfig
@@ -219,7 +220,7 @@ def apply_gradients(
     lr = _learning_rate(state)
     opt_state = optim.with_learning_rate(state.opt_state, lr)
     updates, opt_state = optim.optimizer().update(grads, opt_state, params)
-    model = eqx.combine(eqx.apply_updates(params, updates), frozen)
+    model = eqx.combine(apply_updates(params, updates), frozen)
     # A rate of 0 leaves the bias exactly as it is.
     model = with_updated_expert_bias(model, out, state.hparams["bias_update_rate"])
     stats = stats_metrics(out)

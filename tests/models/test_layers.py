@@ -131,3 +131,12 @@ def test_unrolled_remat_keeps_recomputation_apart():
     # (Stacks that are scanned either way, such as the MTP block's, keep False.)
     assert True in prevent_cse(True)
     assert prevent_cse(False) == {False}
+
+
+def test_latent_norms_keep_their_own_epsilon():
+    # DeepSeek's and transformers' MLA build q_a_layernorm and kv_a_layernorm with eps 1e-6,
+    # whatever rms_norm_eps; the other norms follow the config
+    model = DeepSeekV3(get_preset("tiny", rms_norm_eps=1e-2), key=jax.random.key(0))
+    block = model.moe_layers
+    assert block.input_layernorm.eps == block.post_attention_layernorm.eps == 1e-2
+    assert block.self_attn.q_a_layernorm.eps == block.self_attn.kv_a_layernorm.eps == 1e-6

@@ -82,6 +82,7 @@ def test_v2_lite_matches_published_numbers():
     # DeepSeek-V2 paper: V2-Lite has 15.7B total, 2.4B activated (without the input embedding).
     assert p.total == pytest.approx(15.7e9, rel=0.005)
     assert p.active - p.embedding == pytest.approx(2.4e9, rel=0.03)
+    assert p.mtp == p.mtp_with_embeddings == 0  # no MTP modules, so none of their copies
 
 
 def test_sizes_of_the_smaller_presets():

@@ -73,6 +73,24 @@ def test_expert_bias_gets_no_gradient_and_no_weight_decay():
     assert float(metrics["grad_norm"]) > 0 and int(state.step) == 1
 
 
+def test_bfloat16_parameters_stay_bfloat16():
+    # AdamW's updates are float32 (float32 moments): added as they are, every bf16 parameter
+    # would come back float32 after the first step
+    config = get_preset(
+        "tiny", param_dtype="bfloat16", compute_dtype="bfloat16", num_hidden_layers=2
+    )
+    model = DeepSeekV3(config, key=jax.random.key(0))
+    state = init_state(model, TrainConfig(warmup_steps=0, lr=1e-2))
+
+    def dtypes(tree):
+        return [a.dtype for a in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+    assert jnp.bfloat16 in dtypes(model)
+    new, _ = train_step(state, tokens())
+    assert dtypes(new.model) == dtypes(model)
+    assert not np.array_equal(new.model.embed_tokens, model.embed_tokens)  # it trained
+
+
 def test_expert_bias_follows_the_sign_rule():
     model = biased_model()
     before = biases(model)

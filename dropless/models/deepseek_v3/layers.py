@@ -55,7 +55,8 @@ def make_block(
         rope_scaling=c.rope_scaling,
         max_position_embeddings=c.max_position_embeddings,
         rope_interleave=c.rope_interleave,
-        eps=c.rms_norm_eps,
+        # the latent norms keep MLA's own 1e-6 whatever rms_norm_eps says, as DeepSeek's and
+        # transformers' code do
         impl=c.attention_impl,
         dtype=dt,
         key=k_attn,

@@ -39,7 +39,9 @@ class ParamCount:
     @property
     def mtp_with_embeddings(self) -> int:
         """MTP as DeepSeek's checkpoint stores it, with its own copy of embedding and head
-        (DeepSeek-V3 reports 671B main + 14B MTP = 685B on that basis)."""
+        (DeepSeek-V3 reports 671B main + 14B MTP = 685B on that basis); 0 without MTP."""
+        if not self.mtp:
+            return 0
         return self.mtp + self.embedding + (self.head or self.embedding)
 
 
