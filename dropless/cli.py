@@ -53,7 +53,7 @@ MODEL_HELP = {
     "scoring_func": "Routing: expert affinity, 'sigmoid' (V3) or 'softmax' (V2).",
     "hidden_act": "Feed-forward activation ('silu' only).",
     "max_position_embeddings": "Longest sequence the model supports.",
-    "rms_norm_eps": "RMSNorm epsilon.",
+    "rms_norm_eps": "RMSNorm epsilon (MLA's latent norms keep 1e-6, as in DeepSeek's code).",
     "rope_theta": "Rotary embedding base.",
     "rope_scaling": "Rotary scaling as a YAML/JSON mapping, e.g. "
     "'{type: yarn, factor: 40, original_max_position_embeddings: 4096}', or None.",
@@ -195,23 +195,9 @@ def _replace_checked(config, values: dict, where: str):
     return dataclasses.replace(config, **values)
 
 
-def _resumed_config(args: Sequence[str]) -> str | None:
-    """The config.yaml of the run that `--out-dir D --resume` continues, if it has one: the run
-    goes on with its own model and settings, and flags and `--set` still override them."""
-    from dropless.train.loop import CONFIG_FILE
-
-    out_dir = _flag_value(args, "--out-dir") or _flag_value(args, "--out_dir")
-    switches = [a for a in args if a in ("--resume", "--no-resume")]
-    if out_dir is None or not switches or switches[-1] != "--resume":
-        return None
-    path = os.path.join(out_dir, CONFIG_FILE)
-    return path if os.path.isfile(path) else None
-
-
 def _defaults(args: Sequence[str]) -> TrainCommand:
-    """The train command's defaults: preset, then the YAML config (`--config`, or a resumed
-    run's own), from a first look at args."""
-    file = _flag_value(args, "--config") or _resumed_config(args)
+    """The train command's defaults: preset, then the YAML config, from a first look at args."""
+    file = _flag_value(args, "--config")
     data = load_yaml_config(file) if file else {}
     preset = _flag_value(args, "--preset") or data.get("preset", "tiny")
     model = get_preset(preset)
@@ -255,12 +241,25 @@ def parse(args: Sequence[str]) -> TrainCommand | PresetsCommand:
         if default is not None
         else Annotated[TrainCommand, tyro.conf.subcommand("train")]
     )
-    return tyro.cli(
+    command = tyro.cli(
         Union[train_kind, Annotated[PresetsCommand, tyro.conf.subcommand("presets")]],  # noqa: UP007
         args=list(args),
         prog="dropless",
         description="dropless: dropless Mixture-of-Experts training in JAX.",
     )
+    resumed = _resumed_config(command)
+    return parse([*args, "--config", resumed]) if resumed else command
+
+
+def _resumed_config(command: "TrainCommand | PresetsCommand") -> str | None:
+    """The config.yaml of the run that `command` resumes, when no `--config` was given: the run
+    goes on with its own model and settings (the flags and `--set` still override them)."""
+    if not isinstance(command, TrainCommand) or command.config or command.out_dir is None:
+        return None
+    from dropless.train.loop import CONFIG_FILE
+
+    path = os.path.join(command.out_dir, CONFIG_FILE)
+    return path if command.configs()[1].resume and os.path.isfile(path) else None
 
 
 def _enable_compile_cache() -> None:
@@ -315,11 +314,10 @@ def _train(command: TrainCommand) -> int:
     if train_config.resume and command.out_dir is None:
         raise ValueError("--resume needs --out-dir (the directory of the run to continue)")
     name = command.preset
-    if command.config:
-        # a run's own config.yaml is named after its run directory
-        stem = os.path.splitext(os.path.basename(command.config))[0]
-        parent = os.path.basename(os.path.dirname(os.path.abspath(command.config)))
-        name = parent if stem == "config" and parent else stem
+    if train_config.resume and command.out_dir:
+        name = os.path.basename(os.path.normpath(command.out_dir))
+    elif command.config:
+        name = os.path.splitext(os.path.basename(command.config))[0]
     out_dir = command.out_dir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if command.compile_cache:
         _enable_compile_cache()

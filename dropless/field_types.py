@@ -6,23 +6,40 @@ import numbers
 import types
 import typing
 
+import numpy as np
+
 _RULES = {
-    int: (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an int"),
-    float: (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
-    bool: (lambda v: isinstance(v, bool), "True or False"),
+    int: (
+        lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool | np.bool_),
+        "an int",
+    ),
+    float: (
+        lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool | np.bool_),
+        "a number",
+    ),
+    bool: (lambda v: isinstance(v, bool | np.bool_), "True or False"),
 }
 
 
+def _kind(annotation) -> tuple[type | None, bool]:
+    """(int, float or bool, whether None is allowed) for `T` or `T | None`; (None, _) for any
+    other annotation, which is not checked."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        others = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(others) != 1:
+            return None, False
+        return (others[0] if others[0] in _RULES else None), True
+    return (annotation if annotation in _RULES else None), False
+
+
 def field_type_error(config) -> str | None:
-    """'name (value) must be ...' for the first int, float or bool field of the dataclass
-    `config` (optionally `| None`) whose value is not of that kind; None if all are."""
+    """'name (value) must be ...' for the first field of the dataclass `config` annotated int,
+    float or bool (optionally `| None`) whose value is not of that kind (Python or NumPy
+    scalars; arrays are refused); None if all are."""
+    hints = typing.get_type_hints(type(config))
     for field in dataclasses.fields(config):
-        kind, optional = field.type, False
-        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None
-            args = typing.get_args(kind)
-            optional = type(None) in args
-            kind = next((a for a in args if a is not type(None)), None)
-        if kind not in _RULES:
+        kind, optional = _kind(hints[field.name])
+        if kind is None:
             continue
         value = getattr(config, field.name)
         accepts, wanted = _RULES[kind]

@@ -272,7 +272,7 @@ def check_expert_parallel(model: PyTree, mesh: Mesh) -> None:
                 f"{dict(mesh.shape)}"
             )
         expert_axes = AXIS_RULES["experts"]
-        if ep > 1 and axis is not None and axis not in expert_axes:
+        if axis is not None and axis not in expert_axes and mesh.shape.get(axis, 1) > 1:
             raise ValueError(
                 f"{type(node).__name__}.axis_name is {axis!r}, but the experts are split over "
                 f"{expert_axes[0]!r} (size {ep}); dispatch over that axis"

@@ -81,7 +81,9 @@ def test_resume_continues_the_run_with_its_own_config(tmp_path, capsys):
     assert "resuming 'small-run'" in capsys.readouterr().out
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s for s in steps if s > 3] == [4, 4]  # the fourth step and its final evaluation
-    # without --resume the same directory's config is not read
+    # resuming through --set reads it too; without resuming the directory's config is not read
+    set_resume = cli.parse(["train", "--out-dir", str(out), "--set", "train.resume=true"])
+    assert set_resume.configs()[0].n_routed_experts == 8
     fresh = cli.parse(["train", "--out-dir", str(out), "--no-resume"]).configs()[0]
     assert fresh == cli.get_preset("tiny")
 

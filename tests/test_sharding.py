@@ -271,6 +271,12 @@ def test_dispatchers_must_exchange_over_the_expert_axis():
         wrong = eqx.tree_at(lambda m: m.dispatcher, moe, AllToAllDispatcher(axis_name=axis))
         with pytest.raises(ValueError, match=message):
             sharding.check_expert_parallel(wrong, mesh)
+    # experts not split at all, tokens exchanged over the data axis: as wrong
+    data_only = sharding.make_mesh(data=2, expert=1, devices=jax.devices()[:2])
+    wrong = eqx.tree_at(lambda m: m.dispatcher, moe, AllToAllDispatcher(axis_name="data"))
+    with pytest.raises(ValueError, match="split over 'expert' \\(size 1\\)"):
+        sharding.check_expert_parallel(wrong, data_only)
+    sharding.check_expert_parallel(moe, data_only)  # "expert" of size 1 is fine
 
 
 @pytest.mark.slow

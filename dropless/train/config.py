@@ -39,8 +39,8 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate, reached at the end of warmup."""
     warmup_steps: int = 20
-    """Steps of linear warmup from 0 to `lr` (step 0's rate is 0: it only fills AdamW's
-    moments)."""
+    """Steps of linear warmup from 0 to `lr` (when > 0, step 0's rate is 0: that step moves
+    AdamW's moments and the expert bias, not the weights)."""
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine decay, as a fraction of `lr` (reached at `steps`, so
     the last step runs just above it)."""

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from dropless import sharding
 from dropless.backends import get_backend
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
+from dropless.models.deepseek_v3.config import DROPLESS_FIELDS
 from dropless.train import metrics as metrics_lib
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.config import TrainConfig
@@ -72,7 +73,7 @@ _SCALARS = (
 
 
 # Model settings that a resumed run may change: they touch no array.
-_FREE_ON_RESUME = ("compute_dtype", "remat", "attention_impl", "unroll_layers")
+_FREE_ON_RESUME = tuple(f for f in DROPLESS_FIELDS if f != "param_dtype")
 
 
 class TrainingDiverged(RuntimeError):
@@ -82,7 +83,8 @@ class TrainingDiverged(RuntimeError):
 @dataclasses.dataclass
 class TrainResults:
     """What `train` returns. `records`/`eval_records` cover this call's steps only (the JSONL
-    file holds the whole run, a resumed one included)."""
+    file holds the whole run, a resumed one included); `earlier_records` are the file's records
+    from before a resume."""
 
     state: TrainState
     records: list[dict]
@@ -90,6 +92,7 @@ class TrainResults:
     out_dir: str
     files: dict[str, str]  # name -> path of what was written (metrics, config, checkpoints, ...)
     layer_names: list[str]  # rows of `expert_load` / `max_vio_layers`
+    earlier_records: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def model(self) -> DeepSeekV3:
@@ -103,8 +106,9 @@ class TrainResults:
 
     @property
     def final_eval(self) -> dict | None:
-        """The last evaluation record (at the final step)."""
-        return self.eval_records[-1] if self.eval_records else None
+        """The last evaluation record (at the final step), this call's or, for a run resumed
+        at its last step, the earlier one."""
+        return _last(self.earlier_records + self.eval_records, "eval")
 
     @property
     def expert_load(self) -> np.ndarray:
@@ -149,9 +153,9 @@ def _batch(dataset: AbstractDataset, step: int, train_config: TrainConfig, split
     )
 
 
-def _last(records: list[dict], split: str, default=None):
-    """The last record of `split` ("train" or "eval") in `records`, else `default`."""
-    return next((r for r in reversed(records) if r.get("split") == split), default)
+def _last(records: list[dict], split: str) -> dict | None:
+    """The last record of `split` ("train" or "eval") in `records`, else None."""
+    return next((r for r in reversed(records) if r["split"] == split), None)
 
 
 def _check_batch(tokens: np.ndarray, model_config: DeepSeekV3Config) -> None:
@@ -373,7 +377,13 @@ def train(
         for callback in callbacks:
             callback.on_checkpoint(step, os.path.join(files["checkpoints"], str(step)))
 
+    def evaluated(step: int) -> bool:
+        return any(r["step"] == step for r in writer.kept + eval_records if r["split"] == "eval")
+
     try:
+        every = train_config.eval_every
+        if start and every and start % every == 0 and not evaluated(start):
+            run_eval(start)  # saved before its evaluation, which did not finish then
         for step in range(start, train_config.steps):
             batch = _batch(train_data, step, train_config, "train")
             _check_batch(batch.tokens, model_config)
@@ -414,8 +424,7 @@ def train(
         final = train_config.steps
         if checkpointer.latest_step() != final:
             save(final)
-        # a run resumed at its last step has its final evaluation in the file already
-        if _last(writer.kept + eval_records, "eval", {}).get("step") != final:
+        if not evaluated(final):  # a run resumed at its last step may have it already
             run_eval(final)
         checkpointer.wait()
     finally:
@@ -438,13 +447,14 @@ def train(
         out_dir=out_dir,
         files=files,
         layer_names=layer_names,
+        earlier_records=writer.kept,
     )
     with open(files["summary"], "w") as f:
         json.dump(
             {
                 "steps": train_config.steps,
                 "final_train": _last(writer.kept + records, "train"),
-                "final_eval": _last(writer.kept + eval_records, "eval"),
+                "final_eval": results.final_eval,
                 "layer_names": layer_names,
                 "expert_load": results.expert_load.tolist(),
                 "files": files,

@@ -121,10 +121,41 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
         unrolled, dataclasses.replace(settings, resume=True), backend="jnp", out_dir=crashed
     )
     assert again.records == [] and again.eval_records == []
+    assert again.final_eval["step"] == 12 and again.final_eval in again.earlier_records
     assert [_without_timing(r) for r in read_jsonl(again.files["metrics"])] == expected
     with open(again.files["summary"]) as f:
         summary = json.load(f)
     assert summary["final_train"]["step"] == summary["final_eval"]["step"] == 12
+
+
+class InterruptEvalAt(Callback):
+    """Raises as the evaluation at `step` is reported (after that step's checkpoint)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_eval(self, record: dict) -> None:
+        if record["step"] == self.step:
+            raise Interrupt
+
+
+def test_an_evaluation_cut_short_runs_again_on_resume(tmp_path):
+    out = str(tmp_path)
+    settings = config(steps=8, checkpoint_every=4, eval_every=4)
+    for interrupted_at in (4, 8):  # mid-run, then the final evaluation
+        with pytest.raises(Interrupt):
+            train(
+                TINY,
+                settings,
+                backend="jnp",
+                out_dir=out,
+                callbacks=[InterruptEvalAt(interrupted_at)],
+            )
+        settings = dataclasses.replace(settings, resume=True)
+        assert Checkpointer(str(tmp_path / "checkpoints")).latest_step() == interrupted_at
+    results = train(TINY, settings, backend="jnp", out_dir=out)
+    evals = [r["step"] for r in read_jsonl(results.files["metrics"]) if r["split"] == "eval"]
+    assert evals == [4, 8] and results.final_eval["step"] == 8
 
 
 def _leaves(tree) -> list[np.ndarray]:

@@ -414,6 +414,22 @@ def _progress(total_bytes: int, progress: bool | None, **kwargs) -> tqdm:
     return tqdm(total=total_bytes, unit="B", unit_scale=True, disable=not show, **kwargs)
 
 
+def _match(config, ckpt, mtp, backend, fp8_block, path):
+    """The model skeleton for `config` (MTP resolved against the files), its array leaves, and
+    the reads that fill them; CheckpointError where the files do not match."""
+    config, ignore_mtp = _resolve_mtp(config, ckpt, mtp, path)
+    skeleton = eqx.filter_eval_shape(
+        lambda: DeepSeekV3(config, backend=backend, key=jax.random.key(0))
+    )
+    leaves = {k: v for k, v in _shapes(skeleton).items() if isinstance(v, jax.ShapeDtypeStruct)}
+    shapes = {k: tuple(v.shape) for k, v in leaves.items()}
+    fused = {int(m[1]) for name in ckpt.where if (m := FUSED_EXPERTS.match(name))}
+    table = tensor_table(shapes, config, fused_layers=fused)
+    check_coverage(table, shapes)
+    ignore_from = config.num_hidden_layers if ignore_mtp else None
+    return config, skeleton, leaves, _plan(table, ckpt, fp8_block, ignore_from, path)
+
+
 def from_pretrained(
     path: str | os.PathLike,
     *,
@@ -441,25 +457,14 @@ def from_pretrained(
     config, fp8_block = _config(path, dtype, overrides)
     ckpt = _Checkpoint(path)
     try:
-        config, ignore_mtp = _resolve_mtp(config, ckpt, mtp, path)
-        skeleton = eqx.filter_eval_shape(
-            lambda: DeepSeekV3(config, backend=backend, key=jax.random.key(0))
-        )
-        leaves = {k: v for k, v in _shapes(skeleton).items() if isinstance(v, jax.ShapeDtypeStruct)}
-        shapes = {k: tuple(v.shape) for k, v in leaves.items()}
-        fused = {int(m[1]) for name in ckpt.where if (m := FUSED_EXPERTS.match(name))}
-        table = tensor_table(shapes, config, fused_layers=fused)
-        check_coverage(table, shapes)
-        ignore_from = config.num_hidden_layers if ignore_mtp else None
         try:
-            reads = _plan(table, ckpt, fp8_block, ignore_from, path)
+            config, skeleton, leaves, reads = _match(config, ckpt, mtp, backend, fp8_block, path)
         except CheckpointError as err:
-            shaping = {k: v for k, v in overrides.items() if k not in DROPLESS_FIELDS}
-            if not shaping:
+            changed = {k: v for k, v in overrides.items() if k not in DROPLESS_FIELDS}
+            if not changed:
                 raise
-            given = ", ".join(f"{k}={v!r}" for k, v in shaping.items())
-            message = f"{err} (config.json as changed by the overrides {given})"
-            raise CheckpointError(message) from None
+            given = ", ".join(f"{k}={v!r}" for k, v in changed.items())
+            raise CheckpointError(f"{err} (config.json with the overrides {given})") from None
         arrays = _read(reads, leaves, ckpt, fp8_block or DEFAULT_FP8_BLOCK, progress, path)
     finally:
         ckpt.close()
