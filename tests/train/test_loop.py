@@ -49,13 +49,18 @@ class Interrupt(Exception):
 
 
 class InterruptAt(Callback):
-    """Raises after step `step` is logged (before that step's checkpoint): a crash."""
+    """A crash: raises after step `step` is logged (before that step's checkpoint), or with
+    `at_eval`, as that step's evaluation is reported (after its checkpoint)."""
 
-    def __init__(self, step: int):
-        self.step = step
+    def __init__(self, step: int, *, at_eval: bool = False):
+        self.step, self.at_eval = step, at_eval
 
     def on_step(self, record: dict) -> None:
-        if record["step"] == self.step:
+        if not self.at_eval and record["step"] == self.step:
+            raise Interrupt
+
+    def on_eval(self, record: dict) -> None:
+        if self.at_eval and record["step"] == self.step:
             raise Interrupt
 
 
@@ -128,17 +133,6 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     assert summary["final_train"]["step"] == summary["final_eval"]["step"] == 12
 
 
-class InterruptEvalAt(Callback):
-    """Raises as the evaluation at `step` is reported (after that step's checkpoint)."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_eval(self, record: dict) -> None:
-        if record["step"] == self.step:
-            raise Interrupt
-
-
 def test_an_evaluation_cut_short_runs_again_on_resume(tmp_path):
     out = str(tmp_path)
     settings = config(steps=8, checkpoint_every=4, eval_every=4)
@@ -149,7 +143,7 @@ def test_an_evaluation_cut_short_runs_again_on_resume(tmp_path):
                 settings,
                 backend="jnp",
                 out_dir=out,
-                callbacks=[InterruptEvalAt(interrupted_at)],
+                callbacks=[InterruptAt(interrupted_at, at_eval=True)],
             )
         settings = dataclasses.replace(settings, resume=True)
         assert Checkpointer(str(tmp_path / "checkpoints")).latest_step() == interrupted_at
