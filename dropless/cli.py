@@ -126,7 +126,7 @@ class TrainCommand:
     out_dir: str | None = None
     """Output directory (default: runs/<preset>-<date>-<time>); --resume needs it, and
     continues the run with the settings of its config.yaml (flags override them)."""
-    set: tuple[str, ...] = ()
+    set: Annotated[tuple[str, ...], tyro.conf.arg(help_behavior_hint="(default: none)")] = ()
     """Dotted overrides applied last, values in YAML: --set model.n_routed_experts=32
     train.lr=1e-3."""
     progress: bool = True
