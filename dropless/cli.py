@@ -13,6 +13,7 @@ Precedence, lowest first: the preset, a YAML `--config` (sections `preset`, `bac
 """
 
 import dataclasses
+import inspect
 import json
 import os
 import sys
@@ -234,19 +235,26 @@ def apply_overrides(
 def parse(args: Sequence[str]) -> TrainCommand | PresetsCommand:
     """The command that `args` (without the program name) describe; tyro exits on --help and
     on malformed options, ValueError/FileNotFoundError report bad presets or config files."""
-    wants_train = bool(args) and args[0] == "train"
-    default = _defaults(args[1:]) if wants_train else None
-    train_kind = (
-        Annotated[TrainCommand, tyro.conf.subcommand("train", default=default)]
-        if default is not None
-        else Annotated[TrainCommand, tyro.conf.subcommand("train")]
-    )
-    command = tyro.cli(
-        Union[train_kind, Annotated[PresetsCommand, tyro.conf.subcommand("presets")]],  # noqa: UP007
-        args=list(args),
-        prog="dropless",
-        description="dropless: dropless Mixture-of-Experts training in JAX.",
-    )
+    if args and args[0] == "train":
+        # parsed on its own (not as the subcommand of a union) so that tyro's messages name
+        # `dropless train` and its options rather than an internal wrapper
+        command = tyro.cli(
+            TrainCommand,
+            default=_defaults(args[1:]),
+            args=list(args[1:]),
+            prog="dropless train",
+            description=inspect.cleandoc(TrainCommand.__doc__),
+        )
+    else:
+        command = tyro.cli(
+            Union[  # noqa: UP007
+                Annotated[TrainCommand, tyro.conf.subcommand("train")],
+                Annotated[PresetsCommand, tyro.conf.subcommand("presets")],
+            ],
+            args=list(args),
+            prog="dropless",
+            description="dropless: dropless Mixture-of-Experts training in JAX.",
+        )
     resumed = _resumed_config(command)
     return parse([*args, "--config", resumed]) if resumed else command
 

@@ -145,6 +145,16 @@ def test_bad_options_are_clear_errors(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_bad_flag_value_names_the_field_and_dropless_train(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--lr", "-1"])
+    assert exit_.value.code == 2
+    printed = capsys.readouterr()
+    text = " ".join((printed.out + printed.err).replace("│", " ").split())
+    assert "TrainConfig.lr must be > 0, got -1.0" in text
+    assert "dropless train --help" in text and "tyro-dummy" not in text
+
+
 def test_bad_yaml_config_is_a_clear_error(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump({"model": {"hidden": 3}, "optimizer": {}}))
