@@ -27,11 +27,11 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
     base = model_config(args)
+    sweep = [(setting, tuple(int(v) for v in setting.split("/"))) for setting in args.sweep]
     # active expert width of the first setting, kept for all of them
-    e0, k0 = (int(v) for v in args.sweep[0].split("/"))
+    e0, k0 = sweep[0][1]
     width = base.moe_intermediate_size * k0
-    for setting in args.sweep:  # all checked before anything trains
-        experts, k = (int(v) for v in setting.split("/"))
+    for setting, (experts, k) in sweep:  # all checked before anything trains
         if experts * k0 != e0 * k:
             raise ValueError(
                 f"{setting}: experts / top-k must be the first setting's {e0}/{k0}, so that "
@@ -43,8 +43,7 @@ def main(argv=None) -> list[dict]:
                 f"(top-k {k} against the first setting's {k0})"
             )
     rows, curves = [], {}
-    for setting in args.sweep:
-        experts, k = (int(v) for v in setting.split("/"))
+    for setting, (experts, k) in sweep:
         # The shared experts' width is n_shared_experts * moe_intermediate_size: scale their
         # count so that it, too, stays fixed while the routed experts get finer.
         mc = base.replace(

@@ -179,7 +179,7 @@ class SortDispatcher(AbstractDispatcher):
 
 def _check_count(name: str, value, *allowed) -> None:
     """Raises ValueError naming `name` unless `value` is one of `allowed` or an int >= 1."""
-    if any(value is a or (isinstance(a, str) and value == a) for a in allowed):
+    if value in allowed:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         choices = ", ".join(repr(a) for a in allowed)
