@@ -73,7 +73,11 @@ def pallas_expand_and_combine(interpret=False):
 
     @jax.custom_vjp
     def combine_rows(y_rows, weights, order, inverse):
-        return jnp_backend.combine_rows(y_rows, weights, order, inverse)
+        # the library's forward, not `jnp_backend.combine_rows`: while `pallas_gathers` is on,
+        # that name is this function (calling it recursed without end)
+        return jnp_backend._gather_sum(y_rows, inverse.reshape(weights.shape), weights).astype(
+            y_rows.dtype
+        )
 
     def combine_bwd(res, dy):
         y_rows, weights, order, inverse = res
@@ -82,8 +86,22 @@ def pallas_expand_and_combine(interpret=False):
         d_weights = jnp_backend._gathered_dots(y_rows, inverse.reshape(tokens, k), dy)
         return d_rows, d_weights.astype(weights.dtype), None, None
 
-    combine_rows.defvjp(jnp_backend._combine_fwd, combine_bwd)
+    def combine_fwd(y_rows, weights, order, inverse):
+        return combine_rows(y_rows, weights, order, inverse), (y_rows, weights, order, inverse)
+
+    combine_rows.defvjp(combine_fwd, combine_bwd)
     return expand_rows, combine_rows
+
+
+def pallas_gathers(interpret=False) -> contextlib.ExitStack:
+    """A context in which dropless.backends.jnp dispatches and combines with these kernels."""
+    expand_rows, combine_rows = pallas_expand_and_combine(interpret)
+    from bench_train import patched
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(patched(jnp_backend, "expand_rows", expand_rows))
+    stack.enter_context(patched(jnp_backend, "combine_rows", combine_rows))
+    return stack
 
 
 def kernels(tokens: int, dim: int, k: int) -> list[dict]:
@@ -139,17 +157,9 @@ def main():
     args = parser.parse_args()
     kernels(args.tokens, args.dim, args.k)
     if args.step:
-        from bench_train import compare, patched
+        from bench_train import compare
 
         from dropless.models.deepseek_v3 import get_preset
-
-        expand_rows, combine_rows = pallas_expand_and_combine()
-
-        def pallas_gathers():
-            stack = contextlib.ExitStack()
-            stack.enter_context(patched(jnp_backend, "expand_rows", expand_rows))
-            stack.enter_context(patched(jnp_backend, "combine_rows", combine_rows))
-            return stack
 
         config = get_preset(
             "proxy-2b", compute_dtype="bfloat16", unroll_layers=True, attention_impl="cudnn"
