@@ -125,18 +125,19 @@ def compare(config, backend, variants, batch=8, seq=2048, steps=8, peak=989e12) 
     caches cleared (else a variant reuses the previous one's compiled step), the step compiled
     and timed. A variant is either a function returning a context (`patched(...)`) that the
     step runs inside, or a dict of keyword arguments for `bench` (`{"moments_dtype":
-    "bfloat16"}`). Prints one `== name: ...` line per variant as it ends and returns the rows.
-    Across processes the same code varies by a few percent (docs/benchmarks.md), so only
-    variants of one call compare."""
+    "bfloat16"}`; `{"backend": ...}` replaces `backend`). Prints one `== name: ...` line per
+    variant as it ends and returns the rows. Across processes the same code varies by a few
+    percent (docs/benchmarks.md), so only variants of one call compare."""
     rows = []
     for name, variant in variants.items():
         make_context, options = (
-            (contextlib.nullcontext, variant) if isinstance(variant, dict) else (variant, {})
+            (contextlib.nullcontext, dict(variant)) if isinstance(variant, dict) else (variant, {})
         )
+        chosen = options.pop("backend", backend)
         jax.clear_caches()
         start = time.perf_counter()
         with make_context():
-            t, loss = bench(config, backend, batch, seq, steps, **options)
+            t, loss = bench(config, chosen, batch, seq, steps, **options)
         tokens_per_s = batch * seq / t
         row = {
             "variant": name,

@@ -161,20 +161,28 @@ class SortPlan(eqx.Module):
 
 
 class SortDispatcher(AbstractDispatcher):
-    """Stable sort by expert id; ties keep token order, so the layout is deterministic."""
+    """Stable sort by expert id; ties keep token order, so the layout is deterministic. The
+    row movements are `_expand_rows` and `_combine_rows`, which a subclass may replace with
+    kernels of the same values (`dropless.backends.row_gather`)."""
 
     def _dispatch(self, x, routing):
         n_experts = routing.scores.shape[-1]
         flat_ids = routing.expert_ids.reshape(-1)
         order = _sort_by_expert(flat_ids, n_experts)
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
-        rows = expand_rows(x, order, inverse)
+        rows = self._expand_rows(x, order, inverse)
         group_sizes = expert_counts(flat_ids, n_experts)
         return Dispatched(rows=rows, group_sizes=group_sizes, plan=SortPlan(order, inverse))
 
     def _combine(self, y_rows, dispatched, routing):
         plan = dispatched.plan
-        return combine_rows(y_rows, routing.weights, plan.order, plan.inverse)
+        return self._combine_rows(y_rows, routing.weights, plan.order, plan.inverse)
+
+    def _expand_rows(self, x, order, inverse):
+        return expand_rows(x, order, inverse)
+
+    def _combine_rows(self, y_rows, weights, order, inverse):
+        return combine_rows(y_rows, weights, order, inverse)
 
 
 def _check_count(name: str, value, *allowed) -> None:
