@@ -2,10 +2,11 @@
 
     python experiments/bench_row_gather.py [--tokens 49152] [--dim 1024] [--k 6]
     python experiments/bench_row_gather.py --step --batch 24     # also the proxy-2b train step
+    python experiments/bench_row_gather.py --tokens 8192 --dim 7168 --k 8    # DeepSeek-V3 width
 
 Two gathers of bf16 rows run at every MoE layer: the dispatch's expansion (`x[order // k]`) and
 the combine's backward (`dy[order // k] * w`, with the routing weights' gradient from the same
-rows). `dropless.backends.row_gather.gather_rows` loads and stores whole `[32 dim]` tiles and
+rows). `dropless.backends.row_gather.gather_rows` loads and stores whole `[32 1024]` tiles and
 computes that gradient's dot products while the rows are loaded. Prints each kernel's time
 (CUPTI on a GPU, wall time elsewhere) over XLA's for the same work, measured in the same run,
 and how far the two results are apart. With --step, the train step (pallas backend, cuDNN

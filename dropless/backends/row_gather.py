@@ -22,7 +22,14 @@ from jaxtyping import Array, Float, Int
 from dropless.backends import jnp as jnp_backend
 
 BLOCK_ROWS = 32  # rows per program: a [32 1024] bf16 tile is 64 KiB,
+MAX_COLUMNS = 1024
 NUM_WARPS = 8  # 256 B of it per thread (512 B as float32 when scaled)
+
+
+def column_block(dim: int) -> int:
+    """The columns a program moves: the largest power of two dividing `dim`, at most
+    `MAX_COLUMNS` (Triton's blocks have power-of-two sizes; 7168 = 7 x 1024)."""
+    return min(dim & -dim, MAX_COLUMNS)
 
 
 def gather_rows(
@@ -35,45 +42,48 @@ def gather_rows(
 ):
     """`x[index]`, or `(x[index] * scale[:, None])` rounded to x's dtype. With `dot_with`, also
     `<x[index[r]], dot_with[r]>` per row in float32 (before scaling): `(rows, dots)`.
-    `len(index)` must be a multiple of `BLOCK_ROWS`."""
+    `len(index)` must be a multiple of `BLOCK_ROWS`. A program moves `BLOCK_ROWS` rows of
+    `column_block(dim)` columns."""
     rows, dim = index.shape[0], x.shape[1]
     if rows % BLOCK_ROWS:
         raise ValueError(f"gather_rows: {rows} rows is not a multiple of BLOCK_ROWS {BLOCK_ROWS}")
     has_scale, has_dot = scale is not None, dot_with is not None
+    columns = column_block(dim)
 
     def kernel(index_ref, x_ref, *rest):
         scale_ref = rest[0] if has_scale else None
         dot_ref = rest[int(has_scale)] if has_dot else None
         out_ref, *dots_ref = rest[int(has_scale) + int(has_dot) :]
         gathered = x_ref[index_ref[...], :]
-        if has_dot:
+        if has_dot:  # this program's columns' share of each row's dot product
             products = gathered.astype(jnp.float32) * dot_ref[...].astype(jnp.float32)
-            dots_ref[0][...] = jnp.sum(products, axis=1)
+            dots_ref[0][...] = jnp.sum(products, axis=1, keepdims=True)
         if has_scale:
             weights = scale_ref[...].astype(jnp.float32)[:, None]
             gathered = (gathered.astype(jnp.float32) * weights).astype(out_ref.dtype)
         out_ref[...] = gathered
 
-    row_block = pl.BlockSpec((BLOCK_ROWS,), lambda i: (i,))
-    tile = pl.BlockSpec((BLOCK_ROWS, dim), lambda i: (i, 0))
-    operands, in_specs = [index, x], [row_block, pl.BlockSpec(x.shape, lambda i: (0, 0))]
+    row_block = pl.BlockSpec((BLOCK_ROWS,), lambda i, j: (i,))
+    tile = pl.BlockSpec((BLOCK_ROWS, columns), lambda i, j: (i, j))
+    source = pl.BlockSpec((x.shape[0], columns), lambda i, j: (0, j))  # every row: gathered
+    operands, in_specs = [index, x], [row_block, source]
     out_shape, out_specs = [jax.ShapeDtypeStruct((rows, dim), x.dtype)], [tile]
     if has_scale:
         operands, in_specs = operands + [scale], in_specs + [row_block]
     if has_dot:
         operands, in_specs = operands + [dot_with], in_specs + [tile]
-        out_shape.append(jax.ShapeDtypeStruct((rows,), jnp.float32))
-        out_specs.append(row_block)
+        out_shape.append(jax.ShapeDtypeStruct((rows, dim // columns), jnp.float32))
+        out_specs.append(pl.BlockSpec((BLOCK_ROWS, 1), lambda i, j: (i, j)))
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(rows // BLOCK_ROWS,),
+        grid=(rows // BLOCK_ROWS, dim // columns),
         in_specs=in_specs,
         out_specs=out_specs,
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS),
         interpret=interpret,
     )(*operands)
-    return out[0] if not has_dot else tuple(out)
+    return out[0] if not has_dot else (out[0], out[1].sum(axis=1))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
