@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from jaxtyping import TypeCheckError
 
+import dropless.backends.jnp as jnp_backend
 from dropless.backends.jnp import (
     CapacityGroupedMatmul,
     ChunkedGroupedMatmul,
@@ -205,3 +206,24 @@ def test_overflow_weight_grad_ignores_other_experts_rows(per_trip):
     starts, counts = _segments(sizes, 4)  # expert 0's rows 4..11: one 8-row chunk
     got = _add_row_chunks(jnp.zeros((2, 3, 2)), lhs, g, starts, counts, 10, per_trip)
     np.testing.assert_array_equal(got[0], np.full((3, 2), 8.0))
+
+
+def test_weights_grad_by_row_equals_by_token():
+    """The combine's weights gradient in its two forms (by row elsewhere, by token on the CPU)
+    agrees to float32 rounding of the largest value; `_weights_grad` is by token on the CPU."""
+    tokens, k, dim = 11, 3, 64
+    _, order, inverse = plan(tokens, k, 5, seed=2)
+    keys = jax.random.split(jax.random.key(2), 2)
+    rows = jax.random.normal(keys[0], (tokens * k, dim), jnp.bfloat16)
+    dy = jax.random.normal(keys[1], (tokens, dim), jnp.bfloat16)
+    f32 = np.asarray(rows, np.float32), np.asarray(dy, np.float32)
+    want = np.array(
+        [[f32[0][inverse[t * k + j]] @ f32[1][t] for j in range(k)] for t in range(tokens)]
+    )
+    by_row = jnp_backend._weights_grad_by_row(rows, dy, order, inverse, k)
+    by_token = jnp_backend._weights_grad_by_token(rows, dy, order, inverse, k)
+    for got in (by_row, by_token):
+        assert got.shape == (tokens, k)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    chosen = by_token if jax.default_backend() == "cpu" else by_row
+    np.testing.assert_array_equal(jnp_backend._weights_grad(rows, dy, order, inverse, k), chosen)

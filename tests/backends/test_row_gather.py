@@ -87,4 +87,7 @@ def test_dispatcher_equals_sort_dispatcher(tokens, interpret):
         jax.tree.leaves(value_and_grads(reference, x)),
         strict=True,
     ):
-        np.testing.assert_allclose(np.asarray(a, F32), np.asarray(b, F32), rtol=1e-5, atol=1e-6)
+        # the routing weights' gradient sums in another order, and the router's gradient sums
+        # it over tokens with cancellation: bound by the largest value, not each element's
+        a, b = np.asarray(a, F32), np.asarray(b, F32)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
