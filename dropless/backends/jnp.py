@@ -136,41 +136,42 @@ def _combine_bwd(res, dy):
     tokens, k = weights.shape
     w_rows = weights.reshape(-1)[order]
     f32 = jnp.float32
-    d_rows = (dy[order // k].astype(f32) * w_rows[:, None].astype(f32)).astype(y_rows.dtype)
-    d_weights = _weights_grad(y_rows, dy, order, inverse, k).astype(weights.dtype)
+    dy_rows = dy[order // k]  # each row's token's cotangent, for d_rows and (off the CPU) d_weights
+    d_rows = (dy_rows.astype(f32) * w_rows[:, None].astype(f32)).astype(y_rows.dtype)
+    d_weights = _weights_grad(y_rows, dy, dy_rows, inverse, k).astype(weights.dtype)
     return d_rows, d_weights, None, None
 
 
 def _weights_grad(
     y_rows: Float[Array, "copies dim"],
     dy: Float[Array, "tokens dim"],
-    order: Int[Array, " copies"],
+    dy_rows: Float[Array, "copies dim"],
     inverse: Int[Array, " copies"],
     k: int,
 ) -> Float[Array, "tokens k"]:
-    """d weights[t, j] = <y_rows[inverse[t*k + j]], dy[t]> in float32: `_weights_grad_by_token`
-    on the CPU, `_weights_grad_by_row` elsewhere."""
+    """d weights[t, j] = <y_rows[inverse[t*k + j]], dy[t]> in float32 (`dy_rows[r]` is row r's
+    token's dy): `_weights_grad_by_token` on the CPU, `_weights_grad_by_row` elsewhere."""
     return jax.lax.platform_dependent(
         y_rows,
         dy,
-        order,
+        dy_rows,
         inverse,
         cpu=functools.partial(_weights_grad_by_token, k=k),
         default=functools.partial(_weights_grad_by_row, k=k),
     )
 
 
-def _weights_grad_by_token(y_rows, dy, order, inverse, k: int):
+def _weights_grad_by_token(y_rows, dy, dy_rows, inverse, k: int):
     """Each token's k dot products (`_gathered_dots`: it fuses with its gathers on the CPU)."""
     return _gathered_dots(y_rows, inverse.reshape(-1, k), dy)
 
 
-def _weights_grad_by_row(y_rows, dy, order, inverse, k: int):
-    """One dot product per row of the sorted buffer, `<y_rows[r], dy[order[r] // k]>`, put in
-    token order: its gather of dy is the one the backward's `d_rows` makes, and XLA shares it
-    in one fusion. On an H200 the two passes of the by-token form took 0.69 ms a layer at
+def _weights_grad_by_row(y_rows, dy, dy_rows, inverse, k: int):
+    """One dot product per row of the sorted buffer, `<y_rows[r], dy_rows[r]>`, put in token
+    order: `dy_rows` is the gather the backward's `d_rows` is made of, and XLA reads it once
+    for both. On an H200 the two passes of the by-token form took 0.69 ms a layer at
     proxy-2b's batch 24 (docs/benchmarks.md, seventeenth run)."""
-    dots = jnp.sum(dy[order // k].astype(jnp.float32) * y_rows.astype(jnp.float32), axis=1)
+    dots = jnp.sum(dy_rows.astype(jnp.float32) * y_rows.astype(jnp.float32), axis=1)
     return dots[inverse].reshape(-1, k)
 
 

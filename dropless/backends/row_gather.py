@@ -3,10 +3,12 @@
 Two gathers of `tokens * k` rows run at every MoE layer: the dispatch's expansion
 `x[order // k]` and the combine's backward `dy[order // k] * w`. XLA writes bf16 rows at about
 half the bytes per second of float32 ones on an H200 (docs/benchmarks.md, fourteenth run); the
-kernel loads and stores whole `[BLOCK_ROWS dim]` tiles instead, and the combine's backward also
-computes the routing weights' gradient (each row's dot product with the gathered `dy`) while
-the row is loaded, where XLA reads both again. Values are those of `SortDispatcher` bitwise,
-except the weights' gradient, whose float32 dot products sum in another order.
+kernel loads and stores whole tiles of `BLOCK_ROWS` rows by `column_block(dim)` columns instead,
+and the combine's backward also computes the routing weights' gradient (each row's dot product
+with the gathered `dy`) while the row is loaded. Values are those of `SortDispatcher` bitwise,
+except the weights' gradient, whose float32 dot products sum in another order. On an H200 the
+expansion is faster than XLA's, the fused backward slower than XLA's own one-pass fusion of
+the same two outputs (docs/benchmarks.md, seventeenth run).
 """
 
 import functools
