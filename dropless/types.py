@@ -1,7 +1,7 @@
 """The glossary of dimension names used in every jaxtyping annotation.
 
 jaxtyping prints these names in its errors, so each size that code reasons about gets a word of
-its own. docs/conventions.md carries the same table.
+its own. docs/conventions.md carries the same names, with the local ones a single module uses.
 """
 
 GLOSSARY: dict[str, str] = {

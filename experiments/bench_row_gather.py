@@ -10,8 +10,8 @@ rows). `dropless.backends.row_gather.gather_rows` loads and stores whole `[32 10
 computes that gradient's dot products while the rows are loaded. Prints each kernel's time
 (CUPTI on a GPU, wall time elsewhere) over XLA's for the same work, measured in the same run,
 and how far the two results are apart. With --step, the train step (pallas backend, cuDNN
-attention, unrolled layers) with `SortDispatcher` and with `PallasSortDispatcher`, in one
-process.
+attention, unrolled layers) with `SortDispatcher`, `PallasSortDispatcher` (the kernel for the
+expansion) and `PallasSortDispatcher(fused_combine_backward=True)`, in one process.
 """
 
 import argparse
@@ -101,11 +101,16 @@ def main():
             "proxy-2b", compute_dtype="bfloat16", unroll_layers=True, attention_impl="cudnn"
         )
         pallas = get_backend("pallas")
+
+        def with_dispatcher(dispatcher):
+            return {"backend": eqx.tree_at(lambda b: b.dispatcher, pallas, dispatcher)}
+
         variants = {
             "SortDispatcher (XLA's gathers)": {"backend": pallas},
-            "PallasSortDispatcher": {
-                "backend": eqx.tree_at(lambda b: b.dispatcher, pallas, PallasSortDispatcher())
-            },
+            "PallasSortDispatcher (expansion)": with_dispatcher(PallasSortDispatcher()),
+            "PallasSortDispatcher (expansion, fused combine bwd)": with_dispatcher(
+                PallasSortDispatcher(fused_combine_backward=True)
+            ),
         }
         compare(config, "pallas", variants, batch=args.batch)
 

@@ -6,10 +6,11 @@ its arrays.
 
 Names: "jnp" (the default: sort dispatch + chunked grouped matmul), "jnp-capacity" (slots per
 expert + chunked overflow: one big batched matmul, for accelerators), "ragged" (sort dispatch +
-`jax.lax.ragged_dot`), "te" and its mixes (Transformer Engine, GPU), "ep" (XLA expert
-parallelism), and "auto" (on a Hopper GPU "pallas", with jnp-capacity for expert widths its
-kernels cannot tile; on other GPUs "te-gmm" where TE imports, else "jnp-capacity"; "jnp"
-elsewhere).
+`jax.lax.ragged_dot`), "te" and its mixes (Transformer Engine, GPU), "pallas" (our Mosaic GPU
+grouped GEMM kernels, Hopper), "ep" (XLA expert parallelism), "nccl_ep" (expert parallelism
+through TE's NCCL EP, several Hopper GPUs), and "auto" (on a Hopper GPU "pallas", with
+jnp-capacity for expert widths its kernels cannot tile; on other GPUs "te-gmm" where TE
+imports, else "jnp-capacity"; "jnp" elsewhere).
 """
 
 import functools

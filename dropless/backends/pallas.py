@@ -5,8 +5,9 @@ the input gradient and, where its tiles divide the widths, the weight gradient. 
 JAX's `ragged_dot_mgpu.ragged_dot` (`transpose_rhs` for the input gradient) and
 `transposed_ragged_dot_mgpu.transposed_ragged_dot` (the weight gradient, also the fallback of the
 default). A custom VJP ties them together. JAX's kernels take tile sizes from a table per
-operation and shape (`TUNED`, filled by experiments/tune_pallas.py), with a default that is valid
-whenever widths are multiples of 128.
+operation and shape (`TUNED`, empty as shipped, and the JSON file named by
+`$DROPLESS_PALLAS_TILES` that `experiments/tune_pallas.py --tiles-out` writes), with a default
+that is valid whenever widths are multiples of 128.
 """
 
 import dataclasses

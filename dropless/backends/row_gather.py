@@ -4,11 +4,12 @@ Two gathers of `tokens * k` rows run at every MoE layer: the dispatch's expansio
 `x[order // k]` and the combine's backward `dy[order // k] * w`. XLA writes bf16 rows at about
 half the bytes per second of float32 ones on an H200 (docs/benchmarks.md, fourteenth run); the
 kernel loads and stores whole tiles of `BLOCK_ROWS` rows by `column_block(dim)` columns instead,
-and the combine's backward also computes the routing weights' gradient (each row's dot product
-with the gathered `dy`) while the row is loaded. Values are those of `SortDispatcher` bitwise,
-except the weights' gradient, whose float32 dot products sum in another order. On an H200 the
-expansion is faster than XLA's, the fused backward slower than XLA's own one-pass fusion of
-the same two outputs (docs/benchmarks.md, seventeenth run).
+and for the combine's backward can also compute the routing weights' gradient (each row's dot
+product with the gathered `dy`) while the row is loaded. Values are those of `SortDispatcher`
+bitwise, except the weights' gradient, whose float32 dot products sum in another order. On an
+H200 the expansion is faster than XLA's, the fused backward slower than XLA's own one-pass
+fusion of the same two outputs (docs/benchmarks.md, seventeenth run), so `PallasSortDispatcher`
+uses the kernel for the expansion and leaves the backward to XLA unless asked.
 """
 
 import functools
@@ -145,12 +146,15 @@ combine_rows.defvjp(_combine_fwd, _combine_bwd)
 
 
 class PallasSortDispatcher(jnp_backend.SortDispatcher):
-    """`SortDispatcher` with its row gathers by `gather_rows` (GPU; `interpret=True` runs the
-    kernel's Python on any device, slowly, for tests). Where `tokens * k` is not a multiple of
-    `BLOCK_ROWS`, XLA's gathers as in `SortDispatcher`."""
+    """`SortDispatcher` with the dispatch's row expansion by `gather_rows` (GPU; `interpret=True`
+    runs the kernel's Python on any device, slowly, for tests). `fused_combine_backward=True`
+    also moves the combine's backward into the kernel; off by default, as on the H200 it measured
+    1.5x slower than XLA's own one-pass fusion of the same two outputs. Where `tokens * k` is not
+    a multiple of `BLOCK_ROWS`, XLA's gathers as in `SortDispatcher`."""
 
     requires_gpu: ClassVar[bool] = True
     interpret: bool = eqx.field(default=False, static=True)
+    fused_combine_backward: bool = eqx.field(default=False, static=True)
 
     def _expand_rows(self, x, order, inverse):
         if order.shape[0] % BLOCK_ROWS:
@@ -158,6 +162,6 @@ class PallasSortDispatcher(jnp_backend.SortDispatcher):
         return expand_rows(self.interpret, x, order, inverse)
 
     def _combine_rows(self, y_rows, weights, order, inverse):
-        if order.shape[0] % BLOCK_ROWS:
+        if not self.fused_combine_backward or order.shape[0] % BLOCK_ROWS:
             return super()._combine_rows(y_rows, weights, order, inverse)
         return combine_rows(self.interpret, y_rows, weights, order, inverse)

@@ -2,8 +2,9 @@
 TensorBoard).
 
 Each line of `metrics.jsonl` is one record; training records have `"split": "train"` and
-carry step, loss, ce, mtp, balance_loss, seq_balance_loss, z_loss, max_vio, grad_norm, lr,
-tokens_per_s, step_time; evaluation records have `"split": "eval"`.
+carry step, loss, ce, mtp, balance_loss, seq_balance_loss, z_loss, max_vio, dropped,
+grad_norm, update_norm, lr, max_vio_layers (one per MoE layer), tokens_per_s, step_time;
+evaluation records have `"split": "eval"`.
 """
 
 import json

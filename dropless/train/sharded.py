@@ -3,7 +3,7 @@
     mesh = resolve_mesh("data=2,expert=4", model_config, train_config)   # None: one device
     model = prepare_model(model, mesh)          # the "ep" backend when expert > 1, checked
     state = shard_state(init_state(model, train_config), mesh)
-    state, metrics = sharded_train_step(state, shard_batch(tokens, mesh), mesh)
+    state, metrics = sharded_train_step(mesh, state, sharding.shard_batch(tokens, mesh))
 
 The step is `dropless.train.step.train_step` run through `sharding.sharded_value_and_grad`: each
 device computes the loss of its slice of the batch; the loss terms are averaged over slices, the

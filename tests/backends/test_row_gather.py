@@ -54,6 +54,7 @@ def test_gather_rows_rejects_a_partial_block():
         gather_rows(x, jnp.zeros(BLOCK_ROWS + 1, jnp.int32), interpret=True)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize(
     "tokens, interpret",
     [
@@ -63,7 +64,7 @@ def test_gather_rows_rejects_a_partial_block():
         pytest.param(1024, False, marks=pytest.mark.gpu),
     ],
 )
-def test_dispatcher_equals_sort_dispatcher(tokens, interpret):
+def test_dispatcher_equals_sort_dispatcher(tokens, interpret, fused):
     spec = RoutingSpec(8, 2, "sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5)
     k_model, k_x, k_probe = jax.random.split(jax.random.key(3), 3)
     reference = MoE(128, 64, spec, n_shared_experts=1, key=k_model)
@@ -72,7 +73,11 @@ def test_dispatcher_equals_sort_dispatcher(tokens, interpret):
     )
     kernel = with_backend(
         reference,
-        Backend(PallasSortDispatcher(interpret=interpret), CapacityGroupedMatmul(), JnpTopK()),
+        Backend(
+            PallasSortDispatcher(interpret=interpret, fused_combine_backward=fused),
+            CapacityGroupedMatmul(),
+            JnpTopK(),
+        ),
     )
     assert isinstance(kernel.dispatcher, PallasSortDispatcher)
     x = jax.random.normal(k_x, (tokens, 128), jnp.bfloat16)
@@ -91,3 +96,15 @@ def test_dispatcher_equals_sort_dispatcher(tokens, interpret):
         # it over tokens with cancellation: bound by the largest value, not each element's
         a, b = np.asarray(a, F32), np.asarray(b, F32)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("fused, kernels", [(False, 1), (True, 2)])
+def test_combine_backward_uses_the_kernel_only_when_fused(fused, kernels):
+    """The expansion always goes through the kernel; the combine's backward only on request."""
+    spec = RoutingSpec(8, 2, "softmax")
+    moe = MoE(128, 64, spec, key=jax.random.key(0))
+    dispatcher = PallasSortDispatcher(interpret=True, fused_combine_backward=fused)
+    moe = with_backend(moe, Backend(dispatcher, CapacityGroupedMatmul(), JnpTopK()))
+    x = jnp.ones((16, 128))
+    grad = jax.grad(lambda x: jnp.sum(moe(x)[0]))
+    assert str(jax.make_jaxpr(grad)(x)).count("pallas_call") == kernels
