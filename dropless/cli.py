@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+import typing
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, Union
 
@@ -173,9 +174,12 @@ def load_yaml_config(path: str) -> dict:
     return data
 
 
-def _replace_checked(config, values: dict, where: str):
+def _replace_checked(config, values: object, where: str):
     """`config` with `values` (from YAML) replaced: unknown names are errors, and numbers that
-    YAML read as strings (PyYAML reads 1e-3 as a string) become numbers."""
+    YAML read as strings (PyYAML reads 1e-3 as a string) become numbers, and "None" (YAML's
+    null is `null`) becomes None where a field takes None."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: must be a mapping of field: value, got {values!r}")
     types = {f.name: f.type for f in dataclasses.fields(config)}
     unknown = sorted(set(values) - set(types))
     if unknown:
@@ -185,6 +189,9 @@ def _replace_checked(config, values: dict, where: str):
     values = dict(values)
     for name, value in values.items():
         kind = types[name]
+        if value == "None" and type(None) in typing.get_args(kind):
+            values[name] = None
+            continue
         convert = (kind is float and isinstance(value, int | str)) or (
             kind is int and isinstance(value, str)
         )
@@ -192,7 +199,8 @@ def _replace_checked(config, values: dict, where: str):
             try:
                 values[name] = kind(value)
             except ValueError:
-                raise ValueError(f"{where}: {name} must be a number, got {value!r}") from None
+                wanted = "an int" if kind is int else "a number"
+                raise ValueError(f"{where}: {name} must be {wanted}, got {value!r}") from None
     return dataclasses.replace(config, **values)
 
 

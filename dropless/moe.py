@@ -90,6 +90,8 @@ class MoE(eqx.Module):
         ):
             if value < least:
                 raise ValueError(f"MoE: {name} ({value}) must be >= {least}")
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"MoE: dtype ({jnp.dtype(dtype)}) must be a floating-point dtype")
         bundle = get_backend(backend)
         k_router, k_experts, k_shared = jax.random.split(key, 3)
         self.router = TopKRouter(dim, spec, dtype=dtype, topk=bundle.topk, key=k_router)
@@ -115,6 +117,8 @@ class MoE(eqx.Module):
         dim = self.router.w_router.shape[1]
         if x.ndim != 2 or x.shape[1] != dim:
             raise ValueError(f"MoE: x must be [tokens dim] with dim = {dim}, got shape {x.shape}")
+        if seq_len is not None and seq_len < 1:
+            raise ValueError(f"MoE: seq_len ({seq_len}) must be >= 1, or None for one sequence")
         routing = self.router(x)
         dispatched = self.dispatcher.dispatch(x, routing)
         y_rows = self.experts(dispatched.rows, dispatched.group_sizes)

@@ -6,12 +6,15 @@ parameter-free strategy (`AbstractTopK`) so a backend can swap in a fused kernel
 
 import abc
 import dataclasses
+import math
 from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from dropless.field_types import field_type_error
 
 ScoringFunc = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 GroupScore = Literal["top2_sum", "max"]
@@ -44,6 +47,9 @@ class RoutingSpec:
     softmax_before_topk: bool = True
 
     def __post_init__(self):
+        wrong_type = field_type_error(self)
+        if wrong_type:
+            raise ValueError(f"RoutingSpec: {wrong_type}")
         e, k = self.n_routed_experts, self.num_experts_per_tok
         if e < 1:
             raise ValueError(f"n_routed_experts ({e}) must be >= 1")
@@ -76,8 +82,10 @@ class RoutingSpec:
                 f"group_score 'top2_sum' needs >= 2 experts per group, got {per_group} "
                 f"(n_routed_experts={e}, n_group={self.n_group}); use group_score='max'"
             )
-        if not self.routed_scaling_factor > 0:
-            raise ValueError(f"routed_scaling_factor ({self.routed_scaling_factor}) must be > 0")
+        if not 0 < self.routed_scaling_factor < math.inf:
+            raise ValueError(
+                f"routed_scaling_factor ({self.routed_scaling_factor}) must be > 0 and finite"
+            )
 
 
 class Routing(eqx.Module):

@@ -135,6 +135,8 @@ def test_preset_yaml_flags_and_set_compose(tmp_path):
         (["train", "--set", "train.steps=0"], "TrainConfig.steps must be >= 1"),
         (["train", "--set", "train.micro_batches=3"], "micro_batches (3) must divide batch_size"),
         (["train", "--set", "train.lr=fast"], "lr must be a number, got 'fast'"),
+        (["train", "--set", "train.steps=1e3"], "steps must be an int, got '1e3'"),
+        (["train", "--set", "model.hidden_size=None"], "hidden_size must be an int, got 'None'"),
         (["train", "--model.num-hidden-layers", "0"], "num_hidden_layers (0) must be >= 1"),
         (["train", "--config", "missing.yaml"], "config file not found"),
         (["train", "--resume"], "--resume needs --out-dir"),
@@ -163,6 +165,26 @@ def test_bad_yaml_config_is_a_clear_error(tmp_path, capsys):
     config.write_text(yaml.safe_dump({"model": {"hidden": 3}}))
     assert cli.main(["train", "--config", str(config)]) == 2
     assert "unknown field(s) hidden" in capsys.readouterr().err
+
+
+def test_yaml_section_not_a_mapping_is_a_clear_error(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    for text, where in (("model: n_routed_experts\n", "model"), ("train: [1, 2]\n", "train")):
+        config.write_text(text)
+        assert cli.main(["train", "--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert f"{where}: must be a mapping of field: value" in err and "Traceback" not in err
+
+
+def test_set_none_where_a_field_takes_none():
+    model, _ = cli.apply_overrides(
+        cli.get_preset("tiny"), cli.TrainConfig(), ["model.q_lora_rank=None"]
+    )
+    assert model.q_lora_rank is None
+    model, _ = cli.apply_overrides(
+        cli.get_preset("tiny"), cli.TrainConfig(), ["model.q_lora_rank=null"]
+    )
+    assert model.q_lora_rank is None
 
 
 def test_unknown_backend_lists_the_choices(capsys):

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
 
 import dropless
-from dropless.backends import BackendUnavailableError, get_backend, with_backend
+from dropless.backends import Backend, BackendUnavailableError, get_backend, with_backend
+from dropless.backends.jnp import ChunkedGroupedMatmul, SortDispatcher
 from dropless.backends.oracle import oracle_moe
 from dropless.moe import MoE
 from dropless.routing import RoutingSpec
@@ -175,3 +176,46 @@ def test_bad_sizes_name_the_argument(sizes, message):
     dim, hidden, shared = sizes
     with pytest.raises(ValueError, match=re.escape(f"MoE: {message}")):
         MoE(dim, hidden, SPECS[0][0], n_shared_experts=shared, key=jax.random.key(0))
+
+
+def test_non_float_dtype_is_rejected():
+    with pytest.raises(ValueError, match=re.escape("MoE: dtype (int32) must be a floating-point")):
+        MoE(12, 10, SPECS[0][0], dtype=jnp.int32, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("seq_len", [0, -4])
+def test_bad_seq_len_names_the_argument(seq_len):
+    moe = MoE(12, 10, SPECS[0][0], key=jax.random.key(0))
+    with pytest.raises(ValueError, match=re.escape(f"MoE: seq_len ({seq_len}) must be >= 1")):
+        moe(jnp.zeros((4, 12)), seq_len=seq_len)
+
+
+_DISPATCHER = "Backend.dispatcher must be an AbstractDispatcher, got "
+
+
+@pytest.mark.parametrize(
+    "parts, message",
+    [
+        (("jnp", "ragged"), _DISPATCHER + "'jnp' (a backend's name goes to with_backend"),
+        ((ChunkedGroupedMatmul(), SortDispatcher()), _DISPATCHER + "ChunkedGroupedMatmul()"),
+        (
+            (SortDispatcher(), SortDispatcher()),
+            "Backend.gmm must be an AbstractGroupedMatmul, got SortDispatcher()",
+        ),
+        (
+            (SortDispatcher(), ChunkedGroupedMatmul(), "jnp"),
+            "Backend.topk must be an AbstractTopK or None, got 'jnp'",
+        ),
+    ],
+)
+def test_backend_rejects_wrong_strategy_kinds(parts, message):
+    # the tests' runtime type checks may object to the field first (TypeCheckError, also naming
+    # it); a user's script reaches Backend's own check
+    field = message.split()[0].removeprefix("Backend.")
+    with pytest.raises((TypeError, TypeCheckError), match=field):
+        Backend(*parts)
+    backend = Backend(SortDispatcher(), ChunkedGroupedMatmul())
+    for field, value in zip(("dispatcher", "gmm", "topk"), parts, strict=False):
+        object.__setattr__(backend, field, value)
+    with pytest.raises(TypeError, match=re.escape(message)):
+        backend.__check_init__()

@@ -1,5 +1,7 @@
 """Routing invariants, property-based, against an independent numpy reference."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,6 +228,25 @@ def test_bad_spec_names_the_field(kwargs, field):
     # also names the field); without it our own ValueError does.
     with pytest.raises((ValueError, TypeError), match=field):
         RoutingSpec(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "field, value, rule",
+    [("use_expert_bias", "False", "True or False"), ("norm_topk_prob", "no", "True or False"),
+     ("num_experts_per_tok", 2.0, "an int"), ("routed_scaling_factor", "2", "a number")],
+)  # fmt: skip
+def test_spec_field_kinds(field, value, rule):
+    # set past the constructor: the tests' runtime type checks would reject the value first,
+    # where a value from a YAML file or a script's arithmetic reaches the validation
+    spec = RoutingSpec(8, 2)
+    object.__setattr__(spec, field, value)
+    with pytest.raises(ValueError, match=re.escape(f"{field} ({value!r}) must be {rule}")):
+        spec.__post_init__()
+
+
+def test_infinite_scaling_is_rejected():
+    with pytest.raises(ValueError, match="routed_scaling_factor .inf. must be > 0 and finite"):
+        RoutingSpec(8, 2, routed_scaling_factor=float("inf"))
 
 
 def test_wrong_shapes_are_rejected():

@@ -39,6 +39,19 @@ class Backend(eqx.Module):
     gmm: AbstractGroupedMatmul
     topk: AbstractTopK | None = None
 
+    def __check_init__(self):
+        for name, value, kind, wanted in (
+            ("dispatcher", self.dispatcher, AbstractDispatcher, "an AbstractDispatcher"),
+            ("gmm", self.gmm, AbstractGroupedMatmul, "an AbstractGroupedMatmul"),
+            ("topk", self.topk, AbstractTopK | None, "an AbstractTopK or None"),
+        ):
+            if not isinstance(value, kind):
+                hint = " (a backend's name goes to with_backend or get_backend)"
+                raise TypeError(
+                    f"Backend.{name} must be {wanted}, got {value!r}"
+                    f"{hint if isinstance(value, str) else ''}"
+                )
+
     @property
     def requires_gpu(self) -> bool:
         parts = (self.dispatcher, self.gmm, self.topk)

@@ -176,6 +176,38 @@ def test_rope_scaling_original_length():
         tiny(rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 0})
 
 
+def test_rope_scaling_must_be_a_mapping():
+    # set past the constructor, as a YAML or `--set` value reaches it (the tests' runtime type
+    # checks would object first)
+    config = tiny()
+    object.__setattr__(config, "rope_scaling", "yarn")
+    with pytest.raises(ValueError, match=r"rope_scaling \('yarn'\) must be a mapping"):
+        config.__post_init__()
+
+
+@pytest.mark.parametrize(
+    "key, value, rule",
+    [("factor", "4", "a finite number"), ("factor", float("inf"), "a finite number"),
+     ("mscale_all_dim", "x", "a finite number"), ("beta_fast", True, "a finite number"),
+     ("original_max_position_embeddings", 4.5, "an int")],
+)  # fmt: skip
+def test_rope_scaling_numbers(key, value, rule):
+    scaling = {"type": "yarn", "factor": 4, key: value}
+    with pytest.raises(
+        ValueError, match=re.escape(f"rope_scaling[{key!r}] ({value!r}) must be {rule}")
+    ):
+        tiny(rope_scaling=scaling)
+    assert tiny(
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096.0}
+    )
+
+
+@pytest.mark.parametrize("field", ["routed_scaling_factor", "rms_norm_eps"])
+def test_infinite_floats_are_rejected(field):
+    with pytest.raises(ValueError, match=rf"{field} \(inf\) must be > 0 and finite"):
+        tiny(**{field: float("inf")})
+
+
 def test_rope_scaling_betas():
     with pytest.raises(ValueError, match=r"beta_fast > beta_slow > 0, got 1 and 32"):
         tiny(rope_scaling={"type": "yarn", "factor": 4, "beta_fast": 1, "beta_slow": 32})
@@ -224,6 +256,12 @@ def test_from_hf_ignores_unknown_keys_and_coerces_floats():
     hf.update({"torch_dtype": "bfloat16", "quantization_config": {"x": 1}, "rope_theta": 50000})
     c = DeepSeekV3Config.from_hf_config(hf)
     assert c.rope_theta == 50000.0 and isinstance(c.rope_theta, float)
+
+
+def test_from_hf_unknown_override_is_an_error():
+    hf = get_preset("tiny").to_hf_dict()
+    with pytest.raises(ValueError, match="unknown field.s. compute_dtyp in the overrides"):
+        DeepSeekV3Config.from_hf_config(hf, compute_dtyp="bfloat16")
 
 
 def test_from_hf_missing_keys_take_hf_defaults():

@@ -2,7 +2,10 @@
 
 import dataclasses
 import json
+import math
+import numbers
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -87,6 +90,11 @@ class DeepSeekV3Config:
 
     def __post_init__(self):
         if self.rope_scaling is not None:  # a private copy: the caller's dict may change later
+            if not isinstance(self.rope_scaling, Mapping):
+                _fail(
+                    f"rope_scaling ({self.rope_scaling!r}) must be a mapping, e.g. "
+                    "{'type': 'yarn', 'factor': 40}, or None"
+                )
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
         _validate(self)
 
@@ -155,6 +163,9 @@ class DeepSeekV3Config:
         for name in ("n_group", "topk_group"):  # V2 writes null for "no groups"
             if name in values and values[name] is None:
                 values[name] = 1
+        unknown = sorted(set(overrides) - set(_names()))
+        if unknown:
+            _fail(f"from_hf_config: unknown field(s) {', '.join(unknown)} in the overrides")
         values.update(overrides)
         kwargs = {}
         for field in dataclasses.fields(cls):
@@ -183,6 +194,10 @@ class DeepSeekV3Config:
 
 def _names() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(DeepSeekV3Config))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _fail(rule: str) -> None:
@@ -227,8 +242,8 @@ def _validate(c: DeepSeekV3Config) -> None:
         _fail(f"qk_rope_head_dim ({c.qk_rope_head_dim}) must be even (rope rotates pairs)")
     _validate_routing(c)
     _validate_rope(c)
-    if not c.rms_norm_eps > 0:
-        _fail(f"rms_norm_eps ({c.rms_norm_eps}) must be > 0")
+    if not 0 < c.rms_norm_eps < math.inf:
+        _fail(f"rms_norm_eps ({c.rms_norm_eps}) must be > 0 and finite")
     if c.hidden_act != "silu":
         _fail(f"hidden_act ({c.hidden_act!r}) must be 'silu' (SwiGLU)")
     if c.attention_bias:
@@ -251,8 +266,8 @@ def _validate_routing(c: DeepSeekV3Config) -> None:
         _fail(f"scoring_func ({c.scoring_func!r}) must be one of {SCORING_FUNCS}")
     if k > e:
         _fail(f"num_experts_per_tok ({k}) must be <= n_routed_experts ({e})")
-    if not c.routed_scaling_factor > 0:
-        _fail(f"routed_scaling_factor ({c.routed_scaling_factor}) must be > 0")
+    if not 0 < c.routed_scaling_factor < math.inf:
+        _fail(f"routed_scaling_factor ({c.routed_scaling_factor}) must be > 0 and finite")
     if c.topk_method == "greedy":
         return  # groups are ignored
     if e % c.n_group:
@@ -283,6 +298,13 @@ def _validate_rope(c: DeepSeekV3Config) -> None:
         _fail(f"rope_scaling type ({kind!r}) must be one of {ROPE_TYPES}")
     if kind == "default":
         return
+    for key in ("factor", "mscale", "mscale_all_dim", "attention_factor", "beta_fast", "beta_slow"):
+        value = s.get(key)
+        if value is not None and not (_is_number(value) and math.isfinite(value)):
+            _fail(f"rope_scaling[{key!r}] ({value!r}) must be a finite number")
+    original = s.get("original_max_position_embeddings")
+    if original is not None and not (_is_number(original) and float(original).is_integer()):
+        _fail(f"rope_scaling['original_max_position_embeddings'] ({original!r}) must be an int")
     if "factor" not in s or not s["factor"] >= 1:
         _fail(f"rope_scaling['factor'] ({s.get('factor')}) must be given and >= 1")
     if kind == "yarn":
