@@ -91,14 +91,23 @@ def check_divides(op: Op, cfg: BlockConfig, in_width: int, out_width: int) -> No
 
 @functools.cache
 def load_kernels():
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        raise BackendUnavailableError("the Pallas grouped matmul needs an NVIDIA Hopper GPU")
+    from dropless.backends import _is_hopper
+
+    if not _is_hopper():  # the kernels' warpgroup matmuls exist from compute capability 9.0 only
+        device = jax.devices()[0]
+        raise BackendUnavailableError(
+            "the Pallas grouped matmul needs an NVIDIA Hopper GPU (compute capability 9.x); "
+            f"the first device is {device.device_kind} ({device.platform})"
+        )
     try:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
         from dropless.backends import mosaic_gmm  # noqa: F401  (needs the same Mosaic GPU)
     except ImportError as err:
-        raise BackendUnavailableError(f"Mosaic GPU kernels are not importable: {err}") from err
+        raise BackendUnavailableError(
+            f"Mosaic GPU kernels are not importable: {err} (they come with JAX's CUDA build, "
+            "e.g. `pip install 'jax[cuda13]'`)"
+        ) from err
     return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
 
 

@@ -197,3 +197,26 @@ def test_auto_picks_pallas_with_a_fallback_on_hopper(monkeypatch):
         assert type(chosen.gmm) is CapacityGroupedMatmul
     finally:
         backends._auto.cache_clear()
+
+
+def test_pallas_on_a_gpu_before_hopper_is_unavailable(monkeypatch):
+    """An A100 (8.0) has a GPU but not the warpgroup matmuls: the backend says so when asked
+    for, instead of failing later in the kernels' compilation."""
+    import jax
+
+    import dropless.backends as backends
+    from dropless.backends import BackendUnavailableError
+
+    class Ampere:
+        platform, device_kind, compute_capability = "gpu", "NVIDIA A100-SXM4-80GB", "8.0"
+
+    monkeypatch.setattr(jax, "devices", lambda *args: [Ampere()])
+    pallas.load_kernels.cache_clear()
+    try:
+        with pytest.raises(
+            BackendUnavailableError,
+            match=r"Hopper GPU .compute capability 9.x.; the first device is NVIDIA A100",
+        ):
+            backends.get_backend("pallas")
+    finally:
+        pallas.load_kernels.cache_clear()

@@ -30,6 +30,32 @@ def validate(**values) -> None:
         ({"b2": -0.5}, "TrainConfig.b2 must be in [0, 1), got -0.5"),
         ({"eps": 0.0}, "TrainConfig.eps must be > 0"),
         ({"lr": 0.0}, "TrainConfig.lr must be > 0, got 0.0"),
+        *[
+            ({name: 0}, f"TrainConfig.{name} must be >= 1, got 0")
+            for name in ("seq_len", "micro_batches", "eval_batches", "keep_checkpoints")
+        ],
+        *[
+            ({name: -1}, f"TrainConfig.{name} must be >= 0, got -1")
+            for name in (
+                "warmup_steps",
+                "weight_decay",
+                "grad_clip",
+                "mtp_loss_weight",
+                "balance_loss_coef",
+                "seq_balance_loss_coef",
+                "z_loss_coef",
+                "bias_update_rate",
+                "eval_every",
+                "checkpoint_every",
+            )
+        ],  # fmt: skip
+        ({"min_lr_ratio": 1.5}, "TrainConfig.min_lr_ratio must be in [0, 1], got 1.5"),
+        ({"eval_fraction": 1.0}, "TrainConfig.eval_fraction must be in (0, 1), got 1.0"),
+        ({"log_every": 0}, "TrainConfig.log_every must be >= 1, got 0"),
+        ({"n_languages": 0}, "TrainConfig.n_languages must be >= 1, got 0"),
+        ({"mesh": "data=2,bogus"}, "TrainConfig.mesh: "),
+        ({"moments_dtype": "float16"}, "TrainConfig.moments_dtype must be 'float32' or"),
+        ({"data_dtype": "int8"}, "TrainConfig.data_dtype must be 'uint16' or 'uint32'"),
     ],
 )
 def test_bad_values_name_the_field_and_the_rule(changes, message):
