@@ -210,6 +210,21 @@ def _axis_size(axis_name: str) -> int:
         ) from None
 
 
+def check_ep_settings(axis_name, recv_factor) -> None:
+    """The settings an expert-parallel dispatcher shares: a mesh axis name, and a receive
+    buffer factor (None: the worst case)."""
+    if not isinstance(axis_name, str) or not axis_name:
+        raise ValueError(f"axis_name must be a non-empty mesh axis name, got {axis_name!r}")
+    f = recv_factor
+    if f is not None and (
+        isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0
+    ):
+        raise ValueError(
+            f"recv_factor must be None (worst-case buffer, never drops) or a finite number "
+            f"> 0 (a multiple of the balanced load), got {f!r}"
+        )
+
+
 class AllToAllDispatcher(AbstractDispatcher):
     """Expert-parallel dispatch over the mesh axis `axis_name` (run inside `jax.shard_map`).
 
@@ -233,18 +248,7 @@ class AllToAllDispatcher(AbstractDispatcher):
     supports_expert_parallel: ClassVar[bool] = True
 
     def __check_init__(self):
-        if not isinstance(self.axis_name, str) or not self.axis_name:
-            raise ValueError(
-                f"axis_name must be a non-empty mesh axis name, got {self.axis_name!r}"
-            )
-        f = self.recv_factor
-        if f is not None and (
-            isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0
-        ):
-            raise ValueError(
-                f"recv_factor must be None (worst-case buffer, never drops) or a finite number "
-                f"> 0 (a multiple of the balanced load), got {f!r}"
-            )
+        check_ep_settings(self.axis_name, self.recv_factor)
         if self.overflow not in ("raise", "drop"):
             raise ValueError(f"overflow must be 'raise' or 'drop', got {self.overflow!r}")
         if self.exchange not in ("auto", "all_to_all", "ragged"):

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from dropless.backends.ep import check_ep_settings
 from dropless.backends.jnp import ChunkedGroupedMatmul
 from dropless.dispatch import AbstractDispatcher, Dispatched
 from dropless.routing import JnpTopK
@@ -262,8 +263,11 @@ class NcclEPDispatcher(AbstractDispatcher):
     requires_gpu: ClassVar[bool] = True
 
     def __check_init__(self):
+        check_ep_settings(self.axis_name, self.recv_factor)
         if self.overflow not in ("raise", "drop"):
             raise ValueError(f"overflow must be 'raise' or 'drop', got {self.overflow!r}")
+        if isinstance(self.alignment, bool) or not isinstance(self.alignment, int):
+            raise ValueError(f"alignment must be an int >= 1, got {self.alignment!r}")
         if self.alignment < 1:
             raise ValueError(f"alignment must be >= 1, got {self.alignment}")
         recv_capacity(n_experts=1, k=1, tokens_per_rank=1, ep=1, recv_factor=self.recv_factor)

@@ -7,6 +7,7 @@ backward, in bfloat16.
 """
 
 import math
+import re
 
 import equinox as eqx
 import jax
@@ -80,6 +81,16 @@ def test_dispatcher_settings():
         NcclEPDispatcher(overflow="ignore")
     d = NcclEPDispatcher(recv_factor=1.5, overflow="drop")
     assert type(d).supports_expert_parallel and type(d).requires_gpu
+    # set past the constructor, where the tests' runtime type checks would object first
+    for field, value, message in (
+        ("axis_name", "", "axis_name must be a non-empty mesh axis name, got ''"),
+        ("recv_factor", "2", "recv_factor must be None"),
+        ("alignment", 1.5, "alignment must be an int >= 1, got 1.5"),
+    ):
+        bad = NcclEPDispatcher()
+        object.__setattr__(bad, field, value)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            bad.__check_init__()
 
 
 def test_mesh_rules():
