@@ -244,6 +244,19 @@ def test_spec_field_kinds(field, value, rule):
         spec.__post_init__()
 
 
+@pytest.mark.parametrize(
+    "field, value, message",
+    [("scoring_func", "relu", "scoring_func ('relu') must be one of 'softmax', 'sigmoid'"),
+     ("group_score", "mean", "group_score ('mean') must be 'top2_sum' or 'max'")],
+)  # fmt: skip
+def test_literal_fields_own_messages(field, value, message):
+    # test_bad_spec_names_the_field may see the type checker's error first; this is ours
+    spec = RoutingSpec(8, 2)
+    object.__setattr__(spec, field, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        spec.__post_init__()
+
+
 def test_infinite_scaling_is_rejected():
     with pytest.raises(ValueError, match="routed_scaling_factor .inf. must be > 0 and finite"):
         RoutingSpec(8, 2, routed_scaling_factor=float("inf"))

@@ -323,6 +323,15 @@ def test_bad_settings():
         AllToAllDispatcher(exchange="nccl")
     with pytest.raises(ValueError, match="axis_name must be"):
         AllToAllDispatcher(axis_name="")
+    # set past the constructor: __check_init__'s own messages, which the type checker pre-empts
+    for field, value, message in (
+        ("overflow", "ignore", "overflow must be 'raise' or 'drop', got 'ignore'"),
+        ("exchange", "nccl", "exchange must be 'auto', 'all_to_all' or 'ragged', got 'nccl'"),
+    ):
+        dispatcher = AllToAllDispatcher()
+        object.__setattr__(dispatcher, field, value)
+        with pytest.raises(ValueError, match=message):
+            dispatcher.__check_init__()
 
 
 def test_registry_entry():

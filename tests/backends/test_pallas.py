@@ -124,6 +124,12 @@ def test_bad_settings_are_named(field, value, named):
     # with the tests' runtime type checks on, a value outside a Literal fails its annotation first
     with pytest.raises((ValueError, TypeCheckError), match=named):
         pallas.PallasGroupedMatmul(**{field: value})
+    # set past the constructor: the library's own message, which a user without the type
+    # checker gets
+    gmm = pallas.PallasGroupedMatmul()
+    object.__setattr__(gmm, field, value)
+    with pytest.raises(ValueError, match=rf"PallasGroupedMatmul.{field}='{value}' must be"):
+        gmm.__check_init__()
 
 
 def test_widths_are_checked_before_the_kernels():
