@@ -8,15 +8,18 @@ import typing
 
 import numpy as np
 
+
+def is_number(value) -> bool:
+    """A real number (Python or NumPy scalar), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+
+
 _RULES = {
     int: (
         lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool | np.bool_),
         "an int",
     ),
-    float: (
-        lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool | np.bool_),
-        "a number",
-    ),
+    float: (is_number, "a number"),
     bool: (lambda v: isinstance(v, bool | np.bool_), "True or False"),
 }
 

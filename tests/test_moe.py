@@ -215,7 +215,7 @@ def test_backend_rejects_wrong_strategy_kinds(parts, message):
     with pytest.raises((TypeError, TypeCheckError), match=field):
         Backend(*parts)
     backend = Backend(SortDispatcher(), ChunkedGroupedMatmul())
-    for field, value in zip(("dispatcher", "gmm", "topk"), parts, strict=False):
-        object.__setattr__(backend, field, value)
+    for name, value in zip(("dispatcher", "gmm", "topk"), parts, strict=False):
+        object.__setattr__(backend, name, value)
     with pytest.raises(TypeError, match=re.escape(message)):
         backend.__check_init__()

@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from dropless.backends import Backend, BackendUnavailableError
+from dropless.backends import Backend, BackendUnavailableError, _is_hopper
 from dropless.backends.jnp import CapacityGroupedMatmul, SortDispatcher
 from dropless.experts import AbstractGroupedMatmul
 from dropless.routing import JnpTopK
@@ -91,8 +91,6 @@ def check_divides(op: Op, cfg: BlockConfig, in_width: int, out_width: int) -> No
 
 @functools.cache
 def load_kernels():
-    from dropless.backends import _is_hopper
-
     if not _is_hopper():  # the kernels' warpgroup matmuls exist from compute capability 9.0 only
         device = jax.devices()[0]
         raise BackendUnavailableError(

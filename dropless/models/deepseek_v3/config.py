@@ -3,14 +3,13 @@
 import dataclasses
 import json
 import math
-import numbers
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
-from dropless.field_types import field_type_error
+from dropless.field_types import field_type_error, is_number
 from dropless.nn.rope import ROPE_TYPES, rope_type
 from dropless.routing import RoutingSpec
 
@@ -196,10 +195,6 @@ def _names() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(DeepSeekV3Config))
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _fail(rule: str) -> None:
     raise ValueError(f"DeepSeekV3Config: {rule}")
 
@@ -300,10 +295,10 @@ def _validate_rope(c: DeepSeekV3Config) -> None:
         return
     for key in ("factor", "mscale", "mscale_all_dim", "attention_factor", "beta_fast", "beta_slow"):
         value = s.get(key)
-        if value is not None and not (_is_number(value) and math.isfinite(value)):
+        if value is not None and not (is_number(value) and math.isfinite(value)):
             _fail(f"rope_scaling[{key!r}] ({value!r}) must be a finite number")
     original = s.get("original_max_position_embeddings")
-    if original is not None and not (_is_number(original) and float(original).is_integer()):
+    if original is not None and not (is_number(original) and float(original).is_integer()):
         _fail(f"rope_scaling['original_max_position_embeddings'] ({original!r}) must be an int")
     if "factor" not in s or not s["factor"] >= 1:
         _fail(f"rope_scaling['factor'] ({s.get('factor')}) must be given and >= 1")
