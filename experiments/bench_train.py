@@ -21,6 +21,7 @@ import time
 
 import _profile
 import jax
+import yaml
 from _timing import machine, print_table, write_results
 
 from dropless.backends import BackendUnavailableError
@@ -156,6 +157,17 @@ def compare(config, backend, variants, batch=8, seq=2048, steps=8, peak=989e12) 
     return rows
 
 
+def model_overrides(items: list[str]) -> dict:
+    """`["field=value", ...]` as config overrides, each value read as YAML (8 -> int)."""
+    overrides = {}
+    for item in items:
+        field, sep, value = item.partition("=")
+        if not sep or not field:
+            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE")
+        overrides[field] = yaml.safe_load(value)
+    return overrides
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="proxy-2b")
@@ -171,6 +183,13 @@ def main():
     parser.add_argument("--remat", default="none")
     parser.add_argument("--attention-impl", default="xla", choices=("xla", "cudnn"))
     parser.add_argument("--unroll-layers", action="store_true", help="unroll the layer scan")
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="model config overrides, values in YAML (--set num_attention_heads=8 v_head_dim=128)",
+    )
     parser.add_argument(
         "--moments-dtype",
         default="float32",
@@ -197,6 +216,7 @@ def main():
         remat=args.remat,
         unroll_layers=args.unroll_layers,
         attention_impl=args.attention_impl,
+        **model_overrides(args.set),
     )
     per_token = flops_per_token(config, args.seq)
     tokens = args.batch * args.seq
@@ -210,6 +230,7 @@ def main():
         "unroll_layers": args.unroll_layers,
         "attention": args.attention_impl,
         "moments": args.moments_dtype,
+        **({"set": args.set} if args.set else {}),
     }
     print(meta, f"model GFLOP/token {per_token / 1e9:.2f}")
     rows = []
@@ -251,6 +272,7 @@ def main():
     tag = f"{args.preset}_b{args.batch}m{args.micro_batches}_{args.remat}_{args.attention_impl}"
     tag += "_unrolled" if args.unroll_layers else ""
     tag += "_bf16moments" if args.moments_dtype == "bfloat16" else ""
+    tag += "".join(f"_{item.replace('=', '')}" for item in args.set)
     write_results(args.out, f"train_{tag}", rows, meta)
 
 
