@@ -2,11 +2,12 @@
 over a dense bf16 matmul of the same FLOPs measured in the same run.
 
     python experiments/bench_attention.py                          # cuDNN, proxy-2b batch 24
-    python experiments/bench_attention.py --widths 96/64,128/128,64/64 --batch 24
+    python experiments/bench_attention.py --widths 96/64,128/128,64/64 --heads 16
 
-Each width pair is `qk/v` (query-key and value head widths); proxy-2b's heads are 96/64,
-DeepSeek-V3's 192/128. FLOPs count the causal half, c = batch * heads * seq^2: the forward's
-two matmuls c * (qk + v), the backward's five (S recomputed, dV, dP, dQ, dK) c * (3 qk + 2 v).
+Each width pair is `qk/v` (query-key and value head widths); proxy-2b's 8 heads are 192/128,
+DeepSeek-V3's own (16 heads of 96/64 before 2026-12-05: the same FLOPs). FLOPs count the
+causal half, c = batch * heads * seq^2: the forward's two matmuls c * (qk + v), the
+backward's five (S recomputed, dV, dP, dQ, dK) c * (3 qk + 2 v).
 If a width is padded inside the kernel, its TFLOP/s falls below a wider pair's. Times are
 CUPTI kernel time on a GPU, wall time elsewhere. `--impl xla` runs JAX's own attention (any
 device; what the CPU test uses).
@@ -79,10 +80,10 @@ def measure(impl, batch, seq, heads, qk, dv, dtype=jnp.bfloat16, repeats=10) -> 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impl", default="cudnn", choices=("cudnn", "xla"))
-    parser.add_argument("--widths", default="96/64,128/128,128/64,64/64", help="qk/v pairs")
+    parser.add_argument("--widths", default="192/128,128/128,96/64", help="qk/v pairs")
     parser.add_argument("--batch", type=int, default=24)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/attention"))
     args = parser.parse_args(argv)

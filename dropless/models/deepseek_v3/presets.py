@@ -83,7 +83,12 @@ def small() -> DeepSeekV3Config:
 
 def proxy_2b() -> DeepSeekV3Config:
     """About 2B parameters, fits one GPU for training: V3's routing (64 experts in 8 groups,
-    top-6 of 4 groups, sigmoid with bias) at 1/7 width."""
+    top-6 of 4 groups, sigmoid with bias) at 1/7 width, and V3's own attention heads (query-key
+    128 + 64 rope, value 128), 8 of them. Until 2026-12-05 it had 16 heads of half those
+    widths: the same projection sizes and attention FLOPs, but cuDNN's attention at 96/64 ran
+    at 0.77 of its rate at 192/128, which V3 itself runs at (docs/benchmarks.md, eighteenth
+    run); `num_attention_heads=16, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64`
+    gives the old shape."""
     return DeepSeekV3Config(
         vocab_size=32768,
         hidden_size=1024,
@@ -91,12 +96,12 @@ def proxy_2b() -> DeepSeekV3Config:
         moe_intermediate_size=512,
         num_hidden_layers=19,
         first_k_dense_replace=1,
-        num_attention_heads=16,
+        num_attention_heads=8,
         q_lora_rank=384,
         kv_lora_rank=256,
-        qk_nope_head_dim=64,
-        qk_rope_head_dim=32,
-        v_head_dim=64,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
         n_routed_experts=64,
         num_experts_per_tok=6,
         n_shared_experts=1,
