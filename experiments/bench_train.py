@@ -21,11 +21,11 @@ import time
 
 import _profile
 import jax
-import yaml
 from _timing import machine, print_table, write_results
 
 from dropless.backends import BackendUnavailableError
-from dropless.models.deepseek_v3 import DeepSeekV3, count_params, get_preset
+from dropless.cli import apply_overrides
+from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, count_params, get_preset
 from dropless.train import TrainConfig, init_state, train_step
 
 SCOPES_BY_OP = 12  # --profile lists the kernels by op of this many of the costliest scopes
@@ -157,15 +157,12 @@ def compare(config, backend, variants, batch=8, seq=2048, steps=8, peak=989e12) 
     return rows
 
 
-def model_overrides(items: list[str]) -> dict:
-    """`["field=value", ...]` as config overrides, each value read as YAML (8 -> int)."""
-    overrides = {}
-    for item in items:
-        field, sep, value = item.partition("=")
-        if not sep or not field:
-            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE")
-        overrides[field] = yaml.safe_load(value)
-    return overrides
+def with_overrides(config: DeepSeekV3Config, items: list[str]) -> DeepSeekV3Config:
+    """`config` with `["field=value", ...]` applied as `dropless train --set model.field=value`
+    applies them (values read as YAML, numbers and None as the fields want, unknown fields
+    named), so the two commands read an override alike."""
+    model, _ = apply_overrides(config, TrainConfig(), [f"model.{item}" for item in items])
+    return model
 
 
 def main():
@@ -188,7 +185,7 @@ def main():
         nargs="+",
         default=[],
         metavar="FIELD=VALUE",
-        help="model config overrides, values in YAML (--set num_attention_heads=8 v_head_dim=128)",
+        help="model config overrides, read as `dropless train --set model.FIELD=VALUE` reads them",
     )
     parser.add_argument(
         "--moments-dtype",
@@ -216,8 +213,11 @@ def main():
         remat=args.remat,
         unroll_layers=args.unroll_layers,
         attention_impl=args.attention_impl,
-        **model_overrides(args.set),
     )
+    try:
+        config = with_overrides(config, args.set)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     per_token = flops_per_token(config, args.seq)
     tokens = args.batch * args.seq
     meta = {

@@ -295,10 +295,11 @@ def test_mfu_history_figure_and_its_table(tmp_path):
             mfu * float(row["step_s"])
         )
     # MFU = model FLOPs per step / step time / peak, so within a series MFU x step time is one
-    # number: bench_train.flops_per_token is unchanged since before the seventh run, so is the
-    # proxy-2b preset, every bench_train log of runs 7-16 prints 2.70 model GFLOP/token, and the
-    # A/B scripts call flops_per_token with the same 989 TFLOP/s peak. The 1.5% allows for the
-    # logs' rounding (3 significant figures, or MFU to 0.1%).
+    # number: bench_train.flops_per_token is unchanged since before the seventh run, every
+    # bench_train log of runs 7-16 prints 2.70 model GFLOP/token (proxy-2b's heads at V3's
+    # widths, eighteenth run, add 0.15%), and the A/B scripts call flops_per_token with the same
+    # 989 TFLOP/s peak. The 1.5% allows for the logs' rounding (3 significant figures, or MFU
+    # to 0.1%) and that 0.15%.
     assert set(products) == {("8", "1"), ("16", "1"), ("24", "1"), ("32", "2"), ("32", "4")}
     for series, values in products.items():
         middle = statistics.median(values)
@@ -401,3 +402,20 @@ def test_attention_bench_runs_each_width_pair(tmp_path, monkeypatch):
     assert all(r["fwd / dense"] > 0 and r["fwd+bwd / dense"] > 0 for r in rows)
     saved = json.loads((tmp_path / "attention.json").read_text())["rows"]
     assert [r["qk/v"] for r in saved] == ["96/64", "64/64"]
+
+
+def test_bench_train_set_reads_values_as_the_cli_does(monkeypatch):
+    """bench_train.py --set FIELD=VALUE: values as `dropless train --set model.FIELD=VALUE`
+    reads them (1e4 a number although YAML reads a string, None for an optional field), and an
+    unknown field or a malformed item is an error naming it."""
+    from dropless.models.deepseek_v3 import get_preset
+
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    bench_train = load("bench_train")
+    items = ["num_attention_heads=8", "q_lora_rank=None", "rope_theta=1e4"]
+    config = bench_train.with_overrides(get_preset("tiny"), items)
+    assert (config.num_attention_heads, config.q_lora_rank, config.rope_theta) == (8, None, 1e4)
+    with pytest.raises(ValueError, match=r"unknown field\(s\) num_attention_head;"):
+        bench_train.with_overrides(get_preset("tiny"), ["num_attention_head=8"])
+    with pytest.raises(ValueError, match=r"--set 'model.heads': expected"):
+        bench_train.with_overrides(get_preset("tiny"), ["heads"])
