@@ -68,6 +68,8 @@ MODEL_HELP = {
     "remat": "Rematerialisation per layer: 'none', 'full', 'dots', 'dots_no_batch'.",
     "attention_impl": "Attention: 'xla' (anywhere) or 'cudnn' (NVIDIA GPUs).",
     "unroll_layers": "Unroll the scan over layers: faster steps on a GPU, longer compiles.",
+    "loss_chunk": "Positions per chunk of the loss's vocabulary head (None: all at once); "
+    "chunks never hold the whole float32 logits.",
 }
 
 _PRESET_NAMES = tuple(PRESETS)

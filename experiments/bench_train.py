@@ -1,6 +1,7 @@
 """Train-step throughput and MFU of a DeepSeek-V3 preset, per backend.
 
     python experiments/bench_train.py --preset proxy-2b --backends te,jnp-capacity,jnp
+    python experiments/bench_train.py --preset proxy-2b --backends pallas --against loss_chunk=8192
 
 From a script, `compare(config, backend, {name: variant, ...})` times variants of the step in
 one process, each a context (see `patched`) or keyword arguments for `bench` (its docstring).
@@ -126,25 +127,27 @@ def compare(config, backend, variants, batch=8, seq=2048, steps=8, peak=989e12) 
     caches cleared (else a variant reuses the previous one's compiled step), the step compiled
     and timed. A variant is either a function returning a context (`patched(...)`) that the
     step runs inside, or a dict of keyword arguments for `bench` (`{"moments_dtype":
-    "bfloat16"}`; `{"backend": ...}` replaces `backend`). Prints one `== name: ...` line per
-    variant as it ends and returns the rows. Across processes the same code varies by a few
-    percent (docs/benchmarks.md), so only variants of one call compare."""
+    "bfloat16"}`; `{"backend": ...}` replaces `backend`; `{"set": ["loss_chunk=8192"]}` changes
+    the model config as `--set` does, MFU then counted on that config). Prints one `== name:
+    ...` line per variant as it ends and returns the rows. Across processes the same code varies
+    by a few percent (docs/benchmarks.md), so only variants of one call compare."""
     rows = []
     for name, variant in variants.items():
         make_context, options = (
             (contextlib.nullcontext, dict(variant)) if isinstance(variant, dict) else (variant, {})
         )
         chosen = options.pop("backend", backend)
+        changed = with_overrides(config, options.pop("set", []))
         jax.clear_caches()
         start = time.perf_counter()
         with make_context():
-            t, loss = bench(config, chosen, batch, seq, steps, **options)
+            t, loss = bench(changed, chosen, batch, seq, steps, **options)
         tokens_per_s = batch * seq / t
         row = {
             "variant": name,
             "step s": t,
             "tokens/s": tokens_per_s,
-            "MFU": flops_per_token(config, seq) * tokens_per_s / peak,
+            "MFU": flops_per_token(changed, seq) * tokens_per_s / peak,
             "loss": loss,
             "s to the first step": time.perf_counter() - start - (steps + 1) * t,
         }
@@ -161,6 +164,8 @@ def with_overrides(config: DeepSeekV3Config, items: list[str]) -> DeepSeekV3Conf
     """`config` with `["field=value", ...]` applied as `dropless train --set model.field=value`
     applies them (values read as YAML, numbers and None as the fields want, unknown fields
     named), so the two commands read an override alike."""
+    if not items:
+        return config
     model, _ = apply_overrides(config, TrainConfig(), [f"model.{item}" for item in items])
     return model
 
@@ -197,6 +202,14 @@ def main():
         "--profile", action="store_true", help="print device time per scope and its kernels by op"
     )
     parser.add_argument("--profile-top", type=int, default=25, help="kernels listed by --profile")
+    parser.add_argument(
+        "--against",
+        nargs="+",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="A/B in one process (`compare`): the step as configured, then with these model "
+        "overrides too, for each backend",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_train"))
     args = parser.parse_args()
     names = args.backends.split(",")
@@ -233,6 +246,13 @@ def main():
         **({"set": args.set} if args.set else {}),
     }
     print(meta, f"model GFLOP/token {per_token / 1e9:.2f}")
+    if args.against:
+        options = {"micro_batches": args.micro_batches, "moments_dtype": args.moments_dtype}
+        variants = {"as set": options, " ".join(args.against): {**options, "set": args.against}}
+        for name in names:
+            print(f"{name}:")
+            compare(config, name, variants, args.batch, args.seq, args.steps, args.peak)
+        return
     rows = []
     for name in names:
         try:

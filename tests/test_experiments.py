@@ -319,14 +319,16 @@ def test_step_comparison_runs_each_variant_inside_its_context(monkeypatch):
 
     import jax
 
+    from dropless.models.deepseek_v3 import get_preset
+
     monkeypatch.syspath_prepend(str(EXPERIMENTS))
     bench_train = load("bench_train")
     owner = types.SimpleNamespace(choice="library")
     seen, cleared = [], []
     monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(len(seen)))
 
-    def fake_bench(*args, **kwargs):  # a 0.5 s step and a loss of 2, noting the variant seen
-        seen.append((owner.choice, kwargs))
+    def fake_bench(config, *args, **kwargs):  # a 0.5 s step, a loss of 2; notes the variant
+        seen.append((owner.choice, kwargs, config.loss_chunk))
         return 0.5, 2.0
 
     monkeypatch.setattr(bench_train, "bench", fake_bench)
@@ -335,16 +337,20 @@ def test_step_comparison_runs_each_variant_inside_its_context(monkeypatch):
         "library": bench_train.contextlib.nullcontext,
         "before": lambda: bench_train.patched(owner, "choice", "before"),
         "bf16 moments": {"moments_dtype": "bfloat16"},  # keyword arguments for bench
+        "chunked loss": {"set": ["loss_chunk=16"]},  # the model config changed as --set does
     }
-    rows = bench_train.compare(None, "jnp", variants, batch=2, seq=8, steps=3, peak=1e12)
+    rows = bench_train.compare(
+        get_preset("tiny"), "jnp", variants, batch=2, seq=8, steps=3, peak=1e12
+    )
     assert seen == [
-        ("library", {}),
-        ("before", {}),
-        ("library", {"moments_dtype": "bfloat16"}),
+        ("library", {}, None),
+        ("before", {}, None),
+        ("library", {"moments_dtype": "bfloat16"}, None),
+        ("library", {}, 16),
     ]
-    assert cleared == [0, 1, 2]
+    assert cleared == [0, 1, 2, 3]
     assert owner.choice == "library"  # restored
-    assert [r["variant"] for r in rows] == ["library", "before", "bf16 moments"]
+    assert [r["variant"] for r in rows] == ["library", "before", "bf16 moments", "chunked loss"]
     assert rows[0]["tokens/s"] == 32 and rows[0]["MFU"] == pytest.approx(32 * 1e9 / 1e12)
     with pytest.raises(RuntimeError), bench_train.patched(owner, "choice", "x"):
         raise RuntimeError

@@ -8,6 +8,7 @@ results = train(get_preset("tiny"), TrainConfig(steps=200), out_dir="runs/tiny")
 
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.config import TrainConfig
+from dropless.train.cross_entropy import cross_entropy, head_cross_entropy
 from dropless.train.data import (
     AbstractDataset,
     Batch,
@@ -57,9 +58,11 @@ __all__ = [
     "TrainState",
     "TrainingDiverged",
     "config_dict",
+    "cross_entropy",
     "eval_step",
     "evaluate",
     "expert_bias_filter",
+    "head_cross_entropy",
     "init_state",
     "learning_rate",
     "loss_terms",

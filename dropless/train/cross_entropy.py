@@ -1,6 +1,9 @@
 """Next-token cross-entropy: one pass over the float32 logits forward, softmax minus one-hot
 backward (a custom VJP, so reverse-mode autodiff only: no `jax.jvp` or `jax.jacfwd` through
-it)."""
+it). `head_cross_entropy` makes the logits itself from the hidden states, chunk by chunk, with
+their gradients, so that the whole `[batch seq vocab]` float32 logits never exist at once."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -69,3 +72,81 @@ def _backward(residuals, d_ce):
 
 
 token_cross_entropy.defvjp(_forward, _backward)
+
+
+def head_cross_entropy(
+    hidden: Float[Array, "batch seq dim"],
+    w: Float[Array, "dim vocab"],
+    targets: Int[Array, "batch seq"],
+    mask: Bool[Array, "batch seq"] | None = None,
+    *,
+    chunk: int,
+) -> Float[Array, ""]:
+    """`cross_entropy(hidden @ w, targets, mask)` (float32 logits from `hidden`'s dtype, as the
+    model's head makes them), `chunk` positions at a time: each chunk's logits are made, reduced
+    and turned into their gradient (softmax minus one-hot) in one go, and only the gradients
+    of `hidden` and `w` are kept for the backward. Memory: one chunk's logits where the plain
+    loss holds all of them and their gradient. `w` must have `hidden`'s dtype."""
+    if w.dtype != hidden.dtype:
+        raise TypeError(f"head_cross_entropy: w is {w.dtype}, hidden is {hidden.dtype}")
+    if not (isinstance(chunk, int) and chunk >= 1):
+        raise ValueError(f"head_cross_entropy: chunk ({chunk!r}) must be an int >= 1")
+    dim = hidden.shape[-1]
+    flat_h, flat_t = hidden.reshape(-1, dim), targets.reshape(-1)
+    if mask is None:
+        weights = jnp.full(flat_t.shape, 1.0 / flat_t.size, jnp.float32)
+    else:
+        weights = mask.reshape(-1).astype(jnp.float32) / jnp.maximum(mask.sum(), 1)
+    pad = -flat_t.size % chunk  # padded positions weigh 0
+    flat_h = jnp.pad(flat_h, ((0, pad), (0, 0)))
+    flat_t, weights = jnp.pad(flat_t, (0, pad)), jnp.pad(weights, (0, pad))
+    return _weighted_head_ce(flat_h, w, flat_t, weights, chunk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _weighted_head_ce(hidden, w, targets, weights, chunk):
+    return _chunks(hidden, w, targets, weights, chunk, with_grads=False)[0]
+
+
+def _chunks(hidden, w, targets, weights, chunk, *, with_grads):
+    """sum of weights * CE over the chunks; with_grads: also each position's CE (the weights'
+    gradient), d/d hidden in hidden's dtype and d/d w in float32."""
+
+    def body(dw, xs):
+        h, t, weight = xs
+        logits = jnp.einsum("nd,dv->nv", h, w, preferred_element_type=jnp.float32)
+        ce, (_, _, lse) = _forward(logits, t)
+        if not with_grads:
+            return dw, (jnp.sum(ce * weight), ce, None)
+        g = _backward((logits, t, lse), weight)[0].astype(h.dtype)
+        dh = jnp.einsum("nv,dv->nd", g, w, preferred_element_type=jnp.float32).astype(h.dtype)
+        dw = dw + jnp.einsum("nd,nv->dv", h, g, preferred_element_type=jnp.float32)
+        return dw, (jnp.sum(ce * weight), ce, dh)
+
+    def split(x):
+        return x.reshape(-1, chunk, *x.shape[1:])
+
+    dw = jnp.zeros(w.shape, jnp.float32) if with_grads else None
+    dw, (losses, ce, dh) = jax.lax.scan(body, dw, (split(hidden), split(targets), split(weights)))
+    loss = losses.sum()
+    if not with_grads:
+        return loss, None
+    return loss, (dh.reshape(hidden.shape), dw, ce.reshape(-1))
+
+
+def _head_ce_fwd(hidden, w, targets, weights, chunk):
+    loss, residuals = _chunks(hidden, w, targets, weights, chunk, with_grads=True)
+    return loss, residuals
+
+
+def _head_ce_bwd(chunk, residuals, d_loss):
+    dh, dw, ce = residuals
+    return (
+        (dh * d_loss).astype(dh.dtype),
+        (dw * d_loss).astype(dh.dtype),
+        None,
+        ce * d_loss,
+    )
+
+
+_weighted_head_ce.defvjp(_head_ce_fwd, _head_ce_bwd)

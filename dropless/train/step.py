@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
+    ModelFeatures,
     ModelOutput,
     mtp_targets,
     with_updated_expert_bias,
@@ -33,7 +34,7 @@ from dropless.precision import apply_updates
 from dropless.train import optim
 from dropless.train.accumulate import accumulated
 from dropless.train.config import TrainConfig
-from dropless.train.cross_entropy import cross_entropy
+from dropless.train.cross_entropy import cross_entropy, head_cross_entropy
 
 # TrainConfig fields that the step reads as data (see `hparams`).
 HPARAM_FIELDS = (
@@ -103,27 +104,40 @@ def with_config(state: TrainState, config: TrainConfig) -> TrainState:
     )
 
 
-def all_moe_stats(out: ModelOutput) -> MoEStats:
+def all_moe_stats(out: ModelOutput | ModelFeatures) -> MoEStats:
     """The statistics of every MoE layer: the main stack's rows, then the MTP blocks'."""
     return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out.moe_stats, out.mtp_moe_stats)
 
 
 def loss_terms(
     model: DeepSeekV3, tokens: Int[Array, "batch window"]
-) -> tuple[dict[str, Float[Array, ""]], ModelOutput]:
+) -> tuple[dict[str, Float[Array, ""]], ModelOutput | ModelFeatures]:
     """Unweighted loss terms of `model` on a batch of windows (inputs `tokens[:, :-1]`, targets
-    `tokens[:, 1:]`), and the model's output.
+    `tokens[:, 1:]`), and the model's output (its features when `config.loss_chunk` is set: the
+    loss then makes the logits chunk by chunk, `head_cross_entropy`).
 
     `mtp` is the mean over depths of each depth's cross-entropy on its valid positions (see
     `dropless.models.deepseek_v3.mtp_targets`); the balance terms are sums over every MoE layer.
     """
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    out = model(inputs)
-    terms = {"ce": cross_entropy(out.logits, labels)}
-    if out.mtp_logits is not None:
-        depth = out.mtp_logits.shape[0]
+    chunk = model.config.loss_chunk
+    if chunk is None:
+        out = model(inputs)
+        main, mtp, loss = out.logits, out.mtp_logits, cross_entropy
+    else:  # the logits are made inside the loss, chunk by chunk
+        out = model.features(inputs)
+        w = model.head_weight().astype(out.hidden.dtype)
+        main, mtp = out.hidden, out.mtp_hidden
+
+        def loss(hidden, targets, mask=None):
+            with jax.named_scope("head"):
+                return head_cross_entropy(hidden, w, targets, mask, chunk=chunk)
+
+    terms = {"ce": loss(main, labels)}
+    if mtp is not None:
+        depth = mtp.shape[0]
         targets, masks = mtp_targets(labels, depth)
-        per_depth = [cross_entropy(out.mtp_logits[d], targets[d], masks[d]) for d in range(depth)]
+        per_depth = [loss(mtp[d], targets[d], masks[d]) for d in range(depth)]
         terms["mtp"] = jnp.mean(jnp.stack(per_depth))
     else:
         terms["mtp"] = jnp.zeros((), jnp.float32)

@@ -121,7 +121,8 @@ def test_choices(field, value):
 @pytest.mark.parametrize(
     "field, value, rule",
     [("n_routed_experts", 16.0, "an int"), ("q_lora_rank", 8.0, "an int or None"),
-     ("rms_norm_eps", "small", "a number"), ("unroll_layers", 1, "True or False")],
+     ("rms_norm_eps", "small", "a number"), ("unroll_layers", 1, "True or False"),
+     ("loss_chunk", 2.5, "an int or None")],
 )  # fmt: skip
 def test_field_kinds(field, value, rule):
     # set past the constructor: the tests' runtime type checks would reject the value first,
@@ -294,3 +295,10 @@ def test_from_hf_rope_parameters():
     assert c.rope_theta == 20000.0 and c.rope_scaling == {"rope_type": "yarn", "factor": 4.0}
     hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 20000.0}
     assert DeepSeekV3Config.from_hf_config(hf).rope_scaling is None
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_loss_chunk_positive_or_none(value):
+    assert tiny(loss_chunk=64).loss_chunk == 64 and tiny().loss_chunk is None
+    with pytest.raises(ValueError, match=rf"loss_chunk \({value}\) must be >= 1, or None"):
+        tiny(loss_chunk=value)

@@ -90,3 +90,68 @@ def test_forward_reads_the_logits_in_one_reduction():
     reductions = [eqn for eqn in inner.eqns if eqn.primitive.name.startswith("reduce")]
     assert [eqn.primitive.name for eqn in reductions] == ["reduce"]
     assert len(reductions[0].outvars) == 3  # maximum, rescaled sum, target logit
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("chunk", [1, 4, 7, 64])
+def test_head_cross_entropy_equals_the_loss_on_the_whole_logits(masked, chunk):
+    """The chunked head + loss equals cross_entropy over the logits the model's head makes,
+    in value and in the gradients of the hidden states and the weight, whether the chunk
+    divides the positions (2 x 14) or not, and with a mask."""
+    from dropless.precision import f32_einsum
+    from dropless.train.cross_entropy import head_cross_entropy
+
+    keys = jax.random.split(jax.random.key(5), 4)
+    hidden = jax.random.normal(keys[0], (2, 14, 8))
+    w = jax.random.normal(keys[1], (8, 19))
+    targets = jax.random.randint(keys[2], (2, 14), 0, 19)
+    mask = jax.random.bernoulli(keys[3], 0.6, (2, 14)) if masked else None
+
+    def whole(hidden, w):
+        return cross_entropy(f32_einsum("bsd,dv->bsv", hidden, w), targets, mask)
+
+    def chunked(hidden, w):
+        return head_cross_entropy(hidden, w, targets, mask, chunk=chunk)
+
+    np.testing.assert_allclose(chunked(hidden, w), whole(hidden, w), rtol=1e-6)
+    grads = jax.grad(chunked, argnums=(0, 1))(hidden, w)
+    want = jax.grad(whole, argnums=(0, 1))(hidden, w)
+    for got, ref in zip(grads, want, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
+    # A cotangent other than 1 scales both gradients.
+    scaled = jax.grad(lambda h, w: 3.0 * chunked(h, w), argnums=(0, 1))(hidden, w)
+    for got, ref in zip(scaled, want, strict=True):
+        np.testing.assert_allclose(got, 3.0 * ref, rtol=1e-5, atol=1e-7)
+
+
+def test_head_cross_entropy_in_bfloat16_and_bad_arguments():
+    """bf16 hidden states and weight (the training case): float32 logits as the model's head
+    makes them, the gradients in bf16 and within bf16 rounding of the whole-logits loss's;
+    mixed dtypes and a chunk that is not a positive int are refused by name."""
+    from dropless.precision import f32_einsum
+    from dropless.train.cross_entropy import head_cross_entropy
+
+    keys = jax.random.split(jax.random.key(6), 3)
+    hidden = jax.random.normal(keys[0], (3, 10, 16)).astype(jnp.bfloat16)
+    w = jax.random.normal(keys[1], (16, 37)).astype(jnp.bfloat16)
+    targets = jax.random.randint(keys[2], (3, 10), 0, 37)
+
+    def whole(hidden, w):
+        return cross_entropy(f32_einsum("bsd,dv->bsv", hidden, w), targets)
+
+    def chunked(hidden, w):
+        return head_cross_entropy(hidden, w, targets, chunk=8)
+
+    np.testing.assert_allclose(chunked(hidden, w), whole(hidden, w), rtol=1e-6)
+    grads = jax.grad(chunked, argnums=(0, 1))(hidden, w)
+    want = jax.grad(whole, argnums=(0, 1))(hidden, w)
+    for got, ref in zip(grads, want, strict=True):
+        assert got.dtype == jnp.bfloat16
+        scale = float(jnp.abs(ref.astype(jnp.float32)).max())
+        np.testing.assert_allclose(
+            got.astype(jnp.float32), ref.astype(jnp.float32), atol=2**-7 * scale
+        )
+    with pytest.raises(TypeError, match="w is float32, hidden is bfloat16"):
+        head_cross_entropy(hidden, w.astype(jnp.float32), targets, chunk=8)
+    with pytest.raises(ValueError, match=r"chunk \(0\) must be an int >= 1"):
+        head_cross_entropy(hidden, w, targets, chunk=0)

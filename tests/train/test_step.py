@@ -108,3 +108,31 @@ def test_expert_bias_follows_the_sign_rule():
     moved = np.abs(biases(state.model)[0] - before[0])
     assert moved.max() == pytest.approx(0.01, rel=1e-4)
     np.testing.assert_array_equal(np.asarray(state.expert_load), load)
+
+
+def test_loss_in_chunks_equals_the_loss_on_whole_logits():
+    """`loss_chunk`: the model's features and the chunked head + loss give the same loss terms
+    (main and MTP) and the same gradient of every parameter as the logits made at once; the
+    features are what the logits come from."""
+    plain = DeepSeekV3(get_preset("tiny"), key=jax.random.key(0))
+    chunked = DeepSeekV3(get_preset("tiny", loss_chunk=24), key=jax.random.key(0))  # same weights
+    batch = tokens()
+    weights = hparams(TrainConfig())
+
+    def loss(model):
+        terms, _ = loss_terms(model, batch)
+        return total_loss(terms, weights), terms
+
+    (want, want_terms), want_grads = eqx.filter_value_and_grad(loss, has_aux=True)(plain)
+    (got, got_terms), got_grads = eqx.filter_value_and_grad(loss, has_aux=True)(chunked)
+    assert set(got_terms) == set(want_terms)
+    for name in want_terms:
+        np.testing.assert_allclose(got_terms[name], want_terms[name], rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    pairs = zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True)
+    for g, w in pairs:
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    features = chunked.features(batch[:, :-1])
+    np.testing.assert_allclose(
+        plain.head(features.hidden), plain(batch[:, :-1]).logits, rtol=1e-5, atol=1e-6
+    )

@@ -5,6 +5,7 @@ from dropless.models.deepseek_v3.hf import from_pretrained, save_pretrained
 from dropless.models.deepseek_v3.layers import make_block, scan_blocks, stack_blocks, unstack
 from dropless.models.deepseek_v3.model import (
     DeepSeekV3,
+    ModelFeatures,
     ModelOutput,
     check_tokens,
     with_updated_expert_bias,
@@ -19,6 +20,7 @@ __all__ = [
     "DeepSeekV3",
     "DeepSeekV3Config",
     "MTPModule",
+    "ModelFeatures",
     "ModelOutput",
     "ParamCount",
     "check_tokens",

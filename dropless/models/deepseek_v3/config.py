@@ -20,7 +20,14 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("xla", "cudnn")
 
 # Settings that are dropless's own (not in a Hugging Face config.json).
-DROPLESS_FIELDS = ("param_dtype", "compute_dtype", "remat", "attention_impl", "unroll_layers")
+DROPLESS_FIELDS = (
+    "param_dtype",
+    "compute_dtype",
+    "remat",
+    "attention_impl",
+    "unroll_layers",
+    "loss_chunk",
+)
 
 # A `model_type: deepseek_v2` config.json leaves these at DeepSeek-V2's defaults, not V3's.
 _V2_DEFAULTS: dict[str, Any] = {
@@ -45,8 +52,10 @@ class DeepSeekV3Config:
     dropless settings: `param_dtype`/`compute_dtype` ("float32" | "bfloat16"; bf16 compute casts
     weights at use, norms, softmax and routing stay float32), `remat` ("none" | "full" | "dots" |
     "dots_no_batch", a `jax.checkpoint` policy per scanned layer), `attention_impl` ("xla"
-    einsum attention, or "cudnn" fused attention on NVIDIA GPUs) and `unroll_layers` (unroll the
-    scan over layers: no stacking of per-layer residuals, longer compiles).
+    einsum attention, or "cudnn" fused attention on NVIDIA GPUs), `unroll_layers` (unroll the
+    scan over layers: no stacking of per-layer residuals, longer compiles) and `loss_chunk`
+    (None, or positions per chunk of the training loss's vocabulary head: the loss then makes
+    the logits and their gradient chunk by chunk, `dropless.train.head_cross_entropy`).
     Training knobs (loss weights, bias update rate) live in `dropless.train.TrainConfig`.
     """
 
@@ -86,6 +95,7 @@ class DeepSeekV3Config:
     remat: str = "none"
     attention_impl: str = "xla"
     unroll_layers: bool = False
+    loss_chunk: int | None = None
 
     def __post_init__(self):
         if self.rope_scaling is not None:  # a private copy: the caller's dict may change later
@@ -243,6 +253,8 @@ def _validate(c: DeepSeekV3Config) -> None:
         _fail(f"hidden_act ({c.hidden_act!r}) must be 'silu' (SwiGLU)")
     if c.attention_bias:
         _fail("attention_bias (True) is not supported: DeepSeek projections have no bias")
+    if c.loss_chunk is not None and c.loss_chunk < 1:
+        _fail(f"loss_chunk ({c.loss_chunk}) must be >= 1, or None for one pass")
     for name, allowed in (
         ("param_dtype", tuple(DTYPES)),
         ("compute_dtype", tuple(DTYPES)),

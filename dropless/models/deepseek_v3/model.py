@@ -35,6 +35,22 @@ class ModelOutput(eqx.Module):
     mtp_moe_stats: MoEStats
 
 
+class ModelFeatures(eqx.Module):
+    """A forward pass up to the vocabulary head (`DeepSeekV3.features`): what a loss that makes
+    the logits itself, chunk by chunk, needs (`TrainConfig`'s model's `loss_chunk`).
+
+    - `hidden[b, i]`: the final normed hidden state whose logits (`head_weight()`) score
+      `tokens[b, i + 1]`, in the compute dtype.
+    - `mtp_hidden[d, b, i]`: MTP depth d's normed hidden state (None without MTP).
+    - `moe_stats`, `mtp_moe_stats`: as in `ModelOutput`.
+    """
+
+    hidden: Float[Array, "batch seq dim"]
+    mtp_hidden: Float[Array, "depth batch seq dim"] | None
+    moe_stats: MoEStats
+    mtp_moe_stats: MoEStats
+
+
 class DeepSeekV3(eqx.Module):
     """DeepSeek-V3 (and V2) causal language model.
 
@@ -73,10 +89,13 @@ class DeepSeekV3(eqx.Module):
         self.mtp = MTP(c, backend=backend, key=k_mtp) if c.num_nextn_predict_layers else None
         self.config = c
 
+    def head_weight(self) -> Float[Array, "dim vocab"]:
+        """The vocabulary head's `[dim vocab]` weight (the embedding's transpose when tied)."""
+        return self.embed_tokens.T if self.lm_head is None else self.lm_head
+
     def head(self, h: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq vocab"]:
         """Float32 logits of normed hidden states (the main model's and the MTP modules')."""
-        w = self.embed_tokens.T if self.lm_head is None else self.lm_head
-        return f32_einsum("bsd,dv->bsv", h, w.astype(h.dtype))
+        return f32_einsum("bsd,dv->bsv", h, self.head_weight().astype(h.dtype))
 
     def __call__(self, tokens: Int[Array, "batch seq"]) -> ModelOutput:
         """Logits, MTP logits and MoE statistics of a batch of token sequences.
@@ -85,6 +104,19 @@ class DeepSeekV3(eqx.Module):
         tokens are concrete (not traced), for ids outside the vocabulary; under `jit` call
         `check_tokens` on the host batch instead.
         """
+        return self.from_embeddings(self._embed(tokens))
+
+    def features(self, tokens: Int[Array, "batch seq"]) -> ModelFeatures:
+        """`__call__` without the vocabulary head: the normed hidden states that the logits
+        come from (`head_weight()`), for a loss that makes the logits itself."""
+        return ModelFeatures(*self._trunk(self._embed(tokens), head=lambda h: h))
+
+    def from_embeddings(self, emb: Float[Array, "batch seq dim"]) -> ModelOutput:
+        """Everything after the embedding lookup; `emb[b, i]` is token i's embedding, in the
+        compute dtype. (Tests differentiate through this to check causality.)"""
+        return ModelOutput(*self._trunk(emb, head=self.head))
+
+    def _embed(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq dim"]:
         c = self.config
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch seq], got shape {tokens.shape}")
@@ -96,12 +128,12 @@ class DeepSeekV3(eqx.Module):
         if not isinstance(tokens, jax.core.Tracer):
             check_tokens(tokens, c)
         with jax.named_scope("embed"):
-            emb = jnp.take(self.embed_tokens, tokens, axis=0).astype(c.compute_jnp_dtype)
-        return self.from_embeddings(emb)
+            return jnp.take(self.embed_tokens, tokens, axis=0).astype(c.compute_jnp_dtype)
 
-    def from_embeddings(self, emb: Float[Array, "batch seq dim"]) -> ModelOutput:
-        """Everything after the embedding lookup; `emb[b, i]` is token i's embedding, in the
-        compute dtype. (Tests differentiate through this to check causality.)"""
+    def _trunk(self, emb, head):
+        """(head(final normed h), head of each MTP depth's normed h or None, MoE stats, MTP
+        MoE stats): the fields of ModelOutput, or of ModelFeatures when `head` is the
+        identity."""
         c = self.config
         with jax.named_scope("dense_layers"):
             h, _ = scan_blocks(self.dense_layers, emb, c.remat, c.unroll_layers)
@@ -109,19 +141,19 @@ class DeepSeekV3(eqx.Module):
             h, stats = scan_blocks(self.moe_layers, h, c.remat, c.unroll_layers)
         with jax.named_scope("head"):
             h = self.norm(h)
-            logits = self.head(h)
-        mtp_logits, mtp_stats = None, None
+            out = head(h)
+        mtp_out, mtp_stats = None, None
         if self.mtp is not None:
             with jax.named_scope("mtp"):
-                mtp_logits, mtp_stats = self.mtp(h, emb, self.head, remat=c.remat)
+                mtp_out, mtp_stats = self.mtp(h, emb, head, remat=c.remat)
         empty = None
         if stats is None or mtp_stats is None:
             empty = _empty_stats(c, emb.shape[1])
-        return ModelOutput(
-            logits=logits,
-            mtp_logits=mtp_logits,
-            moe_stats=empty if stats is None else stats,
-            mtp_moe_stats=empty if mtp_stats is None else mtp_stats,
+        return (
+            out,
+            mtp_out,
+            empty if stats is None else stats,
+            empty if mtp_stats is None else mtp_stats,
         )
 
 

@@ -83,11 +83,13 @@ class MTP(eqx.Module):
         self,
         h: Float[Array, "batch seq dim"],
         emb: Float[Array, "batch seq dim"],
-        head: Callable[[Float[Array, "batch seq dim"]], Float[Array, "batch seq vocab"]],
+        head: Callable[[Float[Array, "batch seq dim"]], Float[Array, "batch seq out"]],
         *,
         remat: str = "none",
-    ) -> tuple[Float[Array, "depth batch seq vocab"], MoEStats | None]:
-        """Logits of every depth from the main hidden state `h` and token embeddings `emb`.
+    ) -> tuple[Float[Array, "depth batch seq out"], MoEStats | None]:
+        """Logits of every depth from the main hidden state `h` and token embeddings `emb`
+        (`head` of each depth's normed hidden state: the normed state itself for an identity
+        `head`).
 
         Depth d's last d + 1 positions have no next token: their embedding input is zeros and
         their logits are masked out of the loss (`mtp_targets`), but their MoE routing counts in
