@@ -79,6 +79,16 @@ def test_mesh_run_in_micro_batches_equals_single_device_run(tmp_path):
         np.testing.assert_allclose(micro.final_eval[name], single.final_eval[name], rtol=RTOL)
 
 
+def test_mesh_run_with_the_loss_in_chunks_equals_single_device_run(tmp_path):
+    """`loss_chunk` on a mesh (each shard's positions walked in chunks of 12, which divides no
+    power of two, so every shard's last chunk is padded): the losses and loads of the one-pass
+    loss on one device."""
+    single = train(MODEL, config(), out_dir=str(tmp_path / "single"))
+    chunked = train(MODEL.replace(loss_chunk=12), config(), out_dir=str(tmp_path), mesh=MESH)
+    np.testing.assert_allclose(chunked.losses, single.losses, rtol=RTOL)
+    np.testing.assert_array_equal(chunked.expert_load, single.expert_load)
+
+
 @pytest.mark.parametrize(
     "model_changes, changes, mesh, message",
     [
