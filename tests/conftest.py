@@ -7,7 +7,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import contextlib  # noqa: E402
-import tempfile  # noqa: E402
 
 # Transformer Engine must load its CUDA libraries (cuDNN) before JAX initialises its GPU backend,
 # or the two can pick up mismatched cuDNN builds; importing it is cheap and harmless elsewhere.
@@ -34,17 +33,9 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("DROPLESS_HYPOTHESIS_PROFILE", "ci"))
 
-# Many tests compile the same programs (the tiny model's train and eval steps, in several
-# processes under xdist): a persistent compilation cache shared by the workers compiles each
-# once per run. Entries are keyed by the program, the compile options and the jax version, so
-# a stale one never matches. The size bound turns on the cache's file lock, which keeps two
-# workers from reading an entry while it is written. JAX_COMPILATION_CACHE_DIR overrides.
-if not jax.config.jax_compilation_cache_dir:
-    jax.config.update(
-        "jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "dropless-tests-jax")
-    )
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-jax.config.update("jax_compilation_cache_max_size", 2**31)
+# No persistent compilation cache for the tests: JAX writes an entry in place, so a run killed
+# while writing one (a Ctrl-C, a timeout) leaves it truncated, and a later run that reads it
+# dies in a segfault (twice on 2026-12-05, after a run was killed). It saved about 5%.
 
 
 def has_gpu() -> bool:
