@@ -38,9 +38,9 @@ settings.register_profile(
 settings.load_profile(os.environ.get("DROPLESS_HYPOTHESIS_PROFILE", "ci"))
 
 # Many tests compile the same programs (the tiny model's train and eval steps) in both xdist
-# workers: a compilation cache shared by the workers of one run compiles each once (a clean-clone
-# CI run on the 2-core box: 973 s of tests without it, 414-476 s with it). One directory per run
-# (xdist's run id): JAX writes an entry in place, so an entry left truncated by a killed run
+# workers: a compilation cache shared by the workers of one run compiles each once (clean-clone
+# runs on a 2-core box on 2026-12-05: 973 s of tests without it, 913 s with it). One directory
+# per run (xdist's run id): JAX writes an entry in place, so an entry left truncated by a killed run
 # must never be read by a later one (shared across runs, such an entry segfaulted two CI runs on
 # 2026-12-05). The size bound turns on the cache's file lock, which keeps a worker from reading
 # an entry while the other writes it. Directories an hour old are earlier runs', removed here.

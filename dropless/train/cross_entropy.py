@@ -116,12 +116,13 @@ def _chunks(hidden, w, targets, weights, chunk, *, with_grads):
         h, t, weight = xs
         logits = jnp.einsum("nd,dv->nv", h, w, preferred_element_type=jnp.float32)
         ce, (_, _, lse) = _forward(logits, t)
+        loss = jnp.sum(ce * weight)
         if not with_grads:
-            return dw, (jnp.sum(ce * weight), ce, None)
+            return dw, (loss, None, None)
         g = _backward((logits, t, lse), weight)[0].astype(h.dtype)
         dh = jnp.einsum("nv,dv->nd", g, w, preferred_element_type=jnp.float32).astype(h.dtype)
         dw = dw + jnp.einsum("nd,nv->dv", h, g, preferred_element_type=jnp.float32)
-        return dw, (jnp.sum(ce * weight), ce, dh)
+        return dw, (loss, ce, dh)
 
     def split(x):
         return x.reshape(-1, chunk, *x.shape[1:])
