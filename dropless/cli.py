@@ -70,6 +70,8 @@ MODEL_HELP = {
     "unroll_layers": "Unroll the scan over layers: faster steps on a GPU, longer compiles.",
     "loss_chunk": "Positions per chunk of the loss's vocabulary head (None: all at once); "
     "chunks never hold the whole float32 logits.",
+    "logits_dtype": "What the vocabulary head writes: 'float32' or 'bfloat16' (the loss reduces "
+    "in float32 either way).",
 }
 
 _PRESET_NAMES = tuple(PRESETS)

@@ -9,6 +9,7 @@ import os
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jaxtyping import PyTree
 
@@ -86,7 +87,15 @@ class Checkpointer:
                 f"cannot restore checkpoint {self._path(step)}: it is corrupt, incomplete, or "
                 f"was written for a different model ({type(err).__name__}: {err})"
             ) from err
-        return eqx.combine(restored.state, static), dict(restored.meta)
+        # Orbax places what it reads on `like`'s devices, committed. Where `like` was not (a
+        # fresh single-device state), commitment would make jit see new arguments and compile
+        # the step again in this process; through the host, the array is uncommitted too.
+        placed = jax.tree.map(
+            lambda new, old: new if old.committed else jnp.asarray(jax.device_get(new)),
+            restored.state,
+            arrays,
+        )
+        return eqx.combine(placed, static), dict(restored.meta)
 
     def wait(self) -> None:
         """Blocks until every started save is on disk."""

@@ -1,7 +1,8 @@
-"""Next-token cross-entropy: one pass over the float32 logits forward, softmax minus one-hot
-backward (a custom VJP, so reverse-mode autodiff only: no `jax.jvp` or `jax.jacfwd` through
-it). `head_cross_entropy` makes the logits itself from the hidden states, chunk by chunk, with
-their gradients, so that the whole `[batch seq vocab]` float32 logits never exist at once."""
+"""Next-token cross-entropy: one float32 pass over the logits forward (float32 or bfloat16
+logits, converted as they are read), softmax minus one-hot backward (a custom VJP, so
+reverse-mode autodiff only: no `jax.jvp` or `jax.jacfwd` through it). `head_cross_entropy`
+makes the logits itself from the hidden states, chunk by chunk, with their gradients, so that
+the whole `[batch seq vocab]` logits never exist at once."""
 
 import functools
 
@@ -15,9 +16,9 @@ def cross_entropy(
     targets: Int[Array, "batch seq"],
     mask: Bool[Array, "batch seq"] | None = None,
 ) -> Float[Array, ""]:
-    """Mean cross-entropy of `targets` under `logits` (computed in float32), over the
-    positions where `mask` is True (all when None)."""
-    ce = token_cross_entropy(logits.astype(jnp.float32), targets)
+    """Mean cross-entropy of `targets` under `logits` (computed in float32 whatever their
+    dtype), over the positions where `mask` is True (all when None)."""
+    ce = token_cross_entropy(logits, targets)
     if mask is None:
         return ce.mean()
     return jnp.sum(jnp.where(mask, ce, 0.0)) / jnp.maximum(mask.sum(), 1)
@@ -33,11 +34,13 @@ def _is_target(logits, targets):
 
 @jax.custom_vjp
 def token_cross_entropy(
-    logits: Float32[Array, "batch seq vocab"], targets: Int[Array, "batch seq"]
+    logits: Float[Array, "batch seq vocab"], targets: Int[Array, "batch seq"]
 ) -> Float32[Array, "batch seq"]:
-    """logsumexp(logits) - logits[target] per position, from float32 logits in one reduction
-    over the vocabulary (running maximum, rescaled sum of exponentials, target logit). The
-    backward keeps the logits and the logsumexp. A +inf logit gives nan (optax: inf)."""
+    """logsumexp(logits) - logits[target] per position, in float32, in one reduction over the
+    vocabulary (running maximum, rescaled sum of exponentials, target logit). The backward
+    keeps the logits as they came (bfloat16 logits: half the bytes to store and read again)
+    and the logsumexp; the gradient has the logits' dtype. A +inf logit gives nan (optax:
+    inf)."""
     # One pass where `jax.nn.logsumexp` and the target's pick are three reductions. JAX
     # cannot differentiate such a reduction, hence the custom VJP.
     return _forward(logits, targets)[0]
@@ -56,9 +59,10 @@ def _forward(logits, targets):
     # max - top would be nan.
     lowest = jnp.finfo(jnp.float32).min
     init = (jnp.float32(lowest), jnp.float32(0), jnp.float32(0))
-    picked = jnp.where(_is_target(logits, targets), logits, 0.0)
+    wide = logits.astype(jnp.float32)  # fused into the reduction: read once, in any dtype
+    picked = jnp.where(_is_target(logits, targets), wide, 0.0)
     top, total, target_logits = jax.lax.reduce(
-        (logits, jnp.ones_like(logits), picked), init, _combine, (logits.ndim - 1,)
+        (wide, jnp.ones_like(wide), picked), init, _combine, (logits.ndim - 1,)
     )
     lse = top + jnp.log(total)
     return lse - target_logits, (logits, targets, lse)
@@ -66,9 +70,9 @@ def _forward(logits, targets):
 
 def _backward(residuals, d_ce):
     logits, targets, lse = residuals
-    softmax = jnp.exp(logits - lse[..., None])
+    softmax = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
     d_logits = (softmax - _is_target(logits, targets)) * d_ce[..., None]
-    return d_logits, None
+    return d_logits.astype(logits.dtype), None
 
 
 token_cross_entropy.defvjp(_forward, _backward)
@@ -81,12 +85,14 @@ def head_cross_entropy(
     mask: Bool[Array, "batch seq"] | None = None,
     *,
     chunk: int,
+    logits_dtype=jnp.float32,
 ) -> Float[Array, ""]:
-    """`cross_entropy(hidden @ w, targets, mask)` (float32 logits from `hidden`'s dtype, as the
-    model's head makes them), `chunk` positions at a time: each chunk's logits are made, reduced
-    and turned into their gradient (softmax minus one-hot) in one go, and only the gradients
-    of `hidden` and `w` are kept for the backward. Memory: one chunk's logits where the plain
-    loss holds all of them and their gradient. `w` must have `hidden`'s dtype."""
+    """`cross_entropy(hidden @ w, targets, mask)` (logits in `logits_dtype` from `hidden`'s
+    dtype, as the model's head makes them), `chunk` positions at a time: each chunk's logits
+    are made, reduced and turned into their gradient (softmax minus one-hot) in one go, and
+    only the gradients of `hidden` and `w` are kept for the backward. Memory: one chunk's
+    logits where the plain loss holds all of them and their gradient. `w` must have `hidden`'s
+    dtype."""
     if w.dtype != hidden.dtype:
         raise TypeError(f"head_cross_entropy: w is {w.dtype}, hidden is {hidden.dtype}")
     if not (isinstance(chunk, int) and chunk >= 1):
@@ -100,21 +106,21 @@ def head_cross_entropy(
     pad = -flat_t.size % chunk  # padded positions weigh 0
     flat_h = jnp.pad(flat_h, ((0, pad), (0, 0)))
     flat_t, weights = jnp.pad(flat_t, (0, pad)), jnp.pad(weights, (0, pad))
-    return _weighted_head_ce(flat_h, w, flat_t, weights, chunk)
+    return _weighted_head_ce(flat_h, w, flat_t, weights, chunk, jnp.dtype(logits_dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _weighted_head_ce(hidden, w, targets, weights, chunk):
-    return _chunks(hidden, w, targets, weights, chunk, with_grads=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _weighted_head_ce(hidden, w, targets, weights, chunk, logits_dtype):
+    return _chunks(hidden, w, targets, weights, chunk, logits_dtype, with_grads=False)[0]
 
 
-def _chunks(hidden, w, targets, weights, chunk, *, with_grads):
+def _chunks(hidden, w, targets, weights, chunk, logits_dtype, *, with_grads):
     """sum of weights * CE over the chunks; with_grads: also each position's CE (the weights'
     gradient), d/d hidden in hidden's dtype and d/d w in float32."""
 
     def body(dw, xs):
         h, t, weight = xs
-        logits = jnp.einsum("nd,dv->nv", h, w, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("nd,dv->nv", h, w, preferred_element_type=logits_dtype)
         ce, (_, _, lse) = _forward(logits, t)
         loss = jnp.sum(ce * weight)
         if not with_grads:
@@ -135,12 +141,11 @@ def _chunks(hidden, w, targets, weights, chunk, *, with_grads):
     return loss, (dh.reshape(hidden.shape), dw, ce.reshape(-1))
 
 
-def _head_ce_fwd(hidden, w, targets, weights, chunk):
-    loss, residuals = _chunks(hidden, w, targets, weights, chunk, with_grads=True)
-    return loss, residuals
+def _head_ce_fwd(hidden, w, targets, weights, chunk, logits_dtype):
+    return _chunks(hidden, w, targets, weights, chunk, logits_dtype, with_grads=True)
 
 
-def _head_ce_bwd(chunk, residuals, d_loss):
+def _head_ce_bwd(chunk, logits_dtype, residuals, d_loss):
     dh, dw, ce = residuals
     return (
         (dh * d_loss).astype(dh.dtype),

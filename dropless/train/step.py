@@ -131,7 +131,14 @@ def loss_terms(
 
         def loss(hidden, targets, mask=None):
             with jax.named_scope("head"):
-                return head_cross_entropy(hidden, w, targets, mask, chunk=chunk)
+                return head_cross_entropy(
+                    hidden,
+                    w,
+                    targets,
+                    mask,
+                    chunk=chunk,
+                    logits_dtype=model.config.logits_jnp_dtype,
+                )
 
     terms = {"ce": loss(main, labels)}
     if mtp is not None:

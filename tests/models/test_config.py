@@ -111,6 +111,7 @@ def test_greedy_ignores_groups():
         ("compute_dtype", "fp8"),
         ("remat", "some"),
         ("attention_impl", "flash"),
+        ("logits_dtype", "float16"),
     ],
 )
 def test_choices(field, value):

@@ -251,6 +251,18 @@ def test_bf16_compute_fp32_params(model, tokens, forward):
     assert err.mean() < 0.05 * np.abs(np.asarray(ref.logits)).mean()
 
 
+def test_bf16_logits_are_the_float32_logits_rounded(model, tokens, forward):
+    """`logits_dtype="bfloat16"`: the head (main and MTP) writes its float32-accumulated
+    logits rounded to bf16, nothing else changes."""
+    config = model.config.replace(compute_dtype="bfloat16")
+    wide = DeepSeekV3(config, key=jax.random.key(0))
+    narrow = DeepSeekV3(config.replace(logits_dtype="bfloat16"), key=jax.random.key(0))
+    out, ref = forward(narrow, tokens), forward(wide, tokens)
+    assert out.logits.dtype == out.mtp_logits.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out.logits, ref.logits.astype(jnp.bfloat16))
+    np.testing.assert_array_equal(out.mtp_logits, ref.mtp_logits.astype(jnp.bfloat16))
+
+
 def test_dense_only_tied_model():
     config = get_preset("tiny", first_k_dense_replace=4, tie_word_embeddings=True)
     dense = DeepSeekV3(config, key=jax.random.key(0))

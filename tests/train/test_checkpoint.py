@@ -37,6 +37,25 @@ def test_round_trip_is_exact_and_keeps_the_last_few(tmp_path):
     assert jax.tree.structure(saved) == jax.tree.structure(restored)
 
 
+def test_restored_arrays_are_placed_as_the_target_was(tmp_path):
+    """An uncommitted target (a fresh single-device state) gets uncommitted arrays back, so jit
+    sees the arguments it compiled the step for; a target committed to a device stays so."""
+    saved = state(1)
+    checkpointer = Checkpointer(str(tmp_path / "ckpt"))
+    checkpointer.save(1, saved, {})
+    checkpointer.wait()
+    fresh = state(2)
+    committed = jax.device_put(fresh, jax.devices()[0])
+    assert not any(x.committed for x in jax.tree.leaves(fresh))
+    loose, _ = checkpointer.restore(fresh)
+    placed, _ = checkpointer.restore(committed)
+    checkpointer.close()
+    assert not any(x.committed for x in jax.tree.leaves(loose))
+    assert all(x.committed for x in jax.tree.leaves(placed))
+    for x, y in zip(jax.tree.leaves(saved), jax.tree.leaves(loose), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_resume_from_missing_or_empty_directory_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         open_for_resume(str(tmp_path / "nothing"))

@@ -48,6 +48,31 @@ def test_backward_keeps_the_logits_and_one_number_per_position():
     assert sorted(kept, key=str) == [((2, 5), jnp.float32), ((2, 5), jnp.int32)]
 
 
+def test_bfloat16_logits_are_widened_as_read_and_kept_as_they_came():
+    """bf16 logits (`logits_dtype="bfloat16"`): the loss is exactly the loss of their float32
+    values, the gradient exactly that loss's gradient rounded to bf16, and the backward keeps
+    no float32 copy of them (only the targets and the logsumexp besides the argument)."""
+    keys = jax.random.split(jax.random.key(8), 2)
+    logits = (6 * jax.random.normal(keys[0], (3, 7, 29))).astype(jnp.bfloat16)
+    targets = jax.random.randint(keys[1], (3, 7), 0, 29)
+    wide = logits.astype(jnp.float32)
+    np.testing.assert_array_equal(
+        token_cross_entropy(logits, targets), token_cross_entropy(wide, targets)
+    )
+    grad = jax.grad(lambda x: cross_entropy(x, targets))(logits)
+    want = jax.grad(lambda x: cross_entropy(x, targets))(wide)
+    assert grad.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(grad, want.astype(jnp.bfloat16))
+    from jax._src.ad_checkpoint import saved_residuals
+
+    kept = [
+        (aval.shape, aval.dtype)
+        for aval, why in saved_residuals(lambda x: token_cross_entropy(x, targets), logits)
+        if "from the argument" not in why
+    ]
+    assert sorted(kept, key=str) == [((3, 7), jnp.float32), ((3, 7), jnp.int32)]
+
+
 def test_one_pass_is_exact_on_extreme_logits():
     """The running maximum and rescaled sum equal float64's logsumexp where a plain sum of
     exponentials would overflow (logits of +-1e4) or every logit is equal."""
@@ -155,3 +180,36 @@ def test_head_cross_entropy_in_bfloat16_and_bad_arguments():
         head_cross_entropy(hidden, w.astype(jnp.float32), targets, chunk=8)
     with pytest.raises(ValueError, match=r"chunk \(0\) must be an int >= 1"):
         head_cross_entropy(hidden, w, targets, chunk=0)
+
+
+def test_head_cross_entropy_with_bfloat16_logits():
+    """`logits_dtype=bfloat16`: the chunked loss equals the one-pass loss on the bf16 logits
+    that the model's head then writes, to the logits' rounding (XLA may keep a bf16 value
+    that it fuses in float32: its excess-precision rule), gradients in bf16 and within bf16
+    rounding."""
+    from dropless.train.cross_entropy import head_cross_entropy
+
+    keys = jax.random.split(jax.random.key(9), 3)
+    hidden = jax.random.normal(keys[0], (2, 9, 16)).astype(jnp.bfloat16)
+    w = jax.random.normal(keys[1], (16, 41)).astype(jnp.bfloat16)
+    targets = jax.random.randint(keys[2], (2, 9), 0, 41)
+
+    def whole(hidden, w):
+        logits = jnp.einsum("bsd,dv->bsv", hidden, w, preferred_element_type=jnp.bfloat16)
+        return cross_entropy(logits, targets)
+
+    def chunked(hidden, w):
+        return head_cross_entropy(hidden, w, targets, chunk=5, logits_dtype=jnp.bfloat16)
+
+    # Rounding to bf16 moves a logit by at most 2^-9 of its size, a position's loss by twice that.
+    logits = jnp.einsum("bsd,dv->bsv", hidden, w, preferred_element_type=jnp.float32)
+    bound = 2 * 2**-9 * float(jnp.abs(logits).max())
+    np.testing.assert_allclose(chunked(hidden, w), whole(hidden, w), rtol=0, atol=bound)
+    grads = jax.grad(chunked, argnums=(0, 1))(hidden, w)
+    want = jax.grad(whole, argnums=(0, 1))(hidden, w)
+    for got, ref in zip(grads, want, strict=True):
+        assert got.dtype == jnp.bfloat16
+        scale = float(jnp.abs(ref.astype(jnp.float32)).max())
+        np.testing.assert_allclose(
+            got.astype(jnp.float32), ref.astype(jnp.float32), atol=2**-7 * scale
+        )

@@ -136,3 +136,40 @@ def test_loss_in_chunks_equals_the_loss_on_whole_logits():
     features = eqx.filter_jit(lambda m, t: m.features(t))(chunked, batch[:, :-1])
     logits = eqx.filter_jit(lambda m, t: m(t).logits)(plain, batch[:, :-1])
     np.testing.assert_allclose(plain.head(features.hidden), logits, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_logits_train_within_their_rounding():
+    """`logits_dtype="bfloat16"` in the loss of a bf16-compute model: the loss terms within the
+    logits' rounding of the float32 logits' terms (2^-9 of the largest logit, twice), and every
+    parameter's gradient as close to the float32-compute model's as the float32 logits' is
+    (within 10%): the narrower logits add nothing to the error that bf16 compute makes."""
+    exact = get_preset("tiny")
+    models = {
+        name: DeepSeekV3(config, key=jax.random.key(0))
+        for name, config in {
+            "float32": exact,
+            "bf16": exact.replace(compute_dtype="bfloat16"),
+            "bf16 logits": exact.replace(compute_dtype="bfloat16", logits_dtype="bfloat16"),
+        }.items()
+    }
+    batch = tokens()
+    weights = hparams(TrainConfig())
+
+    def loss(model):
+        terms, out = loss_terms(model, batch)
+        return total_loss(terms, weights), (terms, out.logits)
+
+    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
+    runs = {name: value_and_grad(model) for name, model in models.items()}
+    (_, (want_terms, logits)), _ = runs["bf16"]
+    (_, (got_terms, got_logits)), _ = runs["bf16 logits"]
+    assert got_logits.dtype == jnp.bfloat16
+    bound = 2 * 2**-9 * float(jnp.abs(logits).max())
+    for name in ("ce", "mtp"):
+        np.testing.assert_allclose(got_terms[name], want_terms[name], rtol=0, atol=bound)
+    exact_grads, wide_grads, narrow_grads = (jax.tree.leaves(run[1]) for run in runs.values())
+    for ref, wide, narrow in zip(exact_grads, wide_grads, narrow_grads, strict=True):
+        ref = np.asarray(ref, np.float32)
+        wide_error = np.linalg.norm(np.asarray(wide, np.float32) - ref)
+        narrow_error = np.linalg.norm(np.asarray(narrow, np.float32) - ref)
+        assert narrow_error <= 1.1 * wide_error + 1e-7 * np.linalg.norm(ref)

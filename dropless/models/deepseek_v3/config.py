@@ -27,6 +27,7 @@ DROPLESS_FIELDS = (
     "attention_impl",
     "unroll_layers",
     "loss_chunk",
+    "logits_dtype",
 )
 
 # A `model_type: deepseek_v2` config.json leaves these at DeepSeek-V2's defaults, not V3's.
@@ -55,7 +56,9 @@ class DeepSeekV3Config:
     einsum attention, or "cudnn" fused attention on NVIDIA GPUs), `unroll_layers` (unroll the
     scan over layers: no stacking of per-layer residuals, longer compiles) and `loss_chunk`
     (None, or positions per chunk of the training loss's vocabulary head: the loss then makes
-    the logits and their gradient chunk by chunk, `dropless.train.head_cross_entropy`).
+    the logits and their gradient chunk by chunk, `dropless.train.head_cross_entropy`) and
+    `logits_dtype` ("float32" | "bfloat16": what the vocabulary head's matmul writes, its
+    accumulation float32 either way; the cross-entropy reduces in float32 either way).
     Training knobs (loss weights, bias update rate) live in `dropless.train.TrainConfig`.
     """
 
@@ -96,6 +99,7 @@ class DeepSeekV3Config:
     attention_impl: str = "xla"
     unroll_layers: bool = False
     loss_chunk: int | None = None
+    logits_dtype: str = "float32"
 
     def __post_init__(self):
         if self.rope_scaling is not None:  # a private copy: the caller's dict may change later
@@ -136,6 +140,10 @@ class DeepSeekV3Config:
     @property
     def compute_jnp_dtype(self):
         return DTYPES[self.compute_dtype]
+
+    @property
+    def logits_jnp_dtype(self):
+        return DTYPES[self.logits_dtype]
 
     def routing_spec(self) -> RoutingSpec:
         """The router settings implied by `topk_method` and the routing fields."""
@@ -258,6 +266,7 @@ def _validate(c: DeepSeekV3Config) -> None:
     for name, allowed in (
         ("param_dtype", tuple(DTYPES)),
         ("compute_dtype", tuple(DTYPES)),
+        ("logits_dtype", tuple(DTYPES)),
         ("remat", REMAT_POLICIES),
         ("attention_impl", ATTENTION_IMPLS),
     ):

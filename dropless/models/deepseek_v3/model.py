@@ -21,9 +21,9 @@ from dropless.precision import f32_einsum
 class ModelOutput(eqx.Module):
     """What a forward pass returns.
 
-    - `logits[b, i]`: float32 scores of `tokens[b, i + 1]`.
-    - `mtp_logits[d, b, i]`: float32 scores of `tokens[b, i + d + 2]` (None without MTP); see
-      `dropless.models.deepseek_v3.mtp` for which positions are valid.
+    - `logits[b, i]`: scores of `tokens[b, i + 1]`, in `config.logits_dtype`.
+    - `mtp_logits[d, b, i]`: the same dtype's scores of `tokens[b, i + d + 2]` (None without
+      MTP); see `dropless.models.deepseek_v3.mtp` for which positions are valid.
     - `moe_stats`: the MoE layers' `MoEStats`, each field with a leading `layers` axis (in layer
       order); zero-length when the model has no MoE layers (sums are 0, means undefined).
     - `mtp_moe_stats`: the same for the MTP blocks (leading `depth` axis), zero-length when absent.
@@ -94,8 +94,12 @@ class DeepSeekV3(eqx.Module):
         return self.embed_tokens.T if self.lm_head is None else self.lm_head
 
     def head(self, h: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq vocab"]:
-        """Float32 logits of normed hidden states (the main model's and the MTP modules')."""
-        return f32_einsum("bsd,dv->bsv", h, self.head_weight().astype(h.dtype))
+        """Logits of normed hidden states (the main model's and the MTP modules'), accumulated
+        in float32 and written in `config.logits_dtype`."""
+        w = self.head_weight().astype(h.dtype)
+        if self.config.logits_dtype == "float32":
+            return f32_einsum("bsd,dv->bsv", h, w)
+        return jnp.einsum("bsd,dv->bsv", h, w, preferred_element_type=self.config.logits_jnp_dtype)
 
     def __call__(self, tokens: Int[Array, "batch seq"]) -> ModelOutput:
         """Logits, MTP logits and MoE statistics of a batch of token sequences.

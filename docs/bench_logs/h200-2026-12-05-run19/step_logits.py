@@ -1,0 +1,23 @@
+"""The unrolled proxy-2b step (pallas, cuDNN; batch: the first argument, 24 if none) with the
+head writing float32 logits (the default) and bfloat16 logits (`logits_dtype="bfloat16"`; the
+loss reduces in float32 either way), alternated twice in one process. Run from experiments/
+with it on PYTHONPATH."""
+
+import sys
+
+from bench_train import compare
+
+from dropless.models.deepseek_v3 import get_preset
+
+batch = int(sys.argv[1]) if len(sys.argv) > 1 else 24
+proxy = get_preset("proxy-2b", compute_dtype="bfloat16", unroll_layers=True, attention_impl="cudnn")
+for round_ in (1, 2):
+    compare(
+        proxy,
+        "pallas",
+        {
+            f"float32 logits ({round_})": {},
+            f"bfloat16 logits ({round_})": {"set": ["logits_dtype=bfloat16"]},
+        },
+        batch=batch,
+    )
