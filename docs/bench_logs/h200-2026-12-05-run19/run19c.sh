@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Nineteenth H200 run, call C (no TE): the step with float32 against bfloat16 logits
-# (step_logits.py; batch: the first argument, 24 if none), then, unless the second argument is
-# "noprofile", the batch-24 step's profile with bfloat16 logits (command buffers off).
+# (step_logits.py; batch: the first argument, 24 if none; rounds: the third, 2 if none), then,
+# unless the second argument is "noprofile", the batch-24 step's profile with bfloat16 logits
+# (command buffers off).
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/experiments XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 cd experiments
-timeout 360 python ../docs/bench_logs/h200-2026-12-05-run19/step_logits.py ${1:-24} > $OUT/c1_step_logits.log 2>&1
+timeout 360 python ../docs/bench_logs/h200-2026-12-05-run19/step_logits.py ${1:-24} ${3:-2} > $OUT/c1_step_logits.log 2>&1
 grep -E "Error|RESOURCE" $OUT/c1_step_logits.log | cut -c 1-300; grep -E "^==" $OUT/c1_step_logits.log
 [ "$2" = noprofile ] && exit 0
 XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 200 python bench_train.py --preset proxy-2b --seq 2048 \
