@@ -40,6 +40,17 @@ OUT_OF_MEMORY_HINT = (
 )
 
 
+COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
+
+
+def without_command_buffers(xla_flags: str) -> str:
+    """`xla_flags` with XLA's GPU command buffers off, for --profile: with them on, a step's
+    kernels run inside one command buffer and the profile cannot put them in their scopes
+    (docs/bench_logs/h200-2026-12-05-run18/b2_profile_b24.log)."""
+    kept = [f for f in xla_flags.split() if not f.startswith("--xla_gpu_enable_command_buffer")]
+    return " ".join([*kept, COMMAND_BUFFERS_OFF])
+
+
 def flops_per_token(config, seq: int) -> float:
     counts = count_params(config)
     depth = config.num_nextn_predict_layers
@@ -199,7 +210,10 @@ def main():
         help="storage dtype of AdamW's moments",
     )
     parser.add_argument(
-        "--profile", action="store_true", help="print device time per scope and its kernels by op"
+        "--profile",
+        action="store_true",
+        help="print device time per scope and its kernels by op (turns XLA's GPU command "
+        "buffers off, which would hide the scopes)",
     )
     parser.add_argument("--profile-top", type=int, default=25, help="kernels listed by --profile")
     parser.add_argument(
@@ -212,6 +226,8 @@ def main():
     )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_train"))
     args = parser.parse_args()
+    if args.profile:  # read when JAX starts its GPU backend, which no import above has done
+        os.environ["XLA_FLAGS"] = without_command_buffers(os.environ.get("XLA_FLAGS", ""))
     names = args.backends.split(",")
     if any(n.startswith("te") for n in names):  # TE loads before JAX's GPU backend (cuDNN)
         try:

@@ -385,6 +385,25 @@ def test_train_bench_names_the_memory_fraction_when_out_of_memory(
     assert ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in printed) is not fraction_set
 
 
+def test_train_bench_profiles_with_command_buffers_off(monkeypatch, tmp_path):
+    """--profile turns XLA's GPU command buffers off (they hide the scopes), replacing a
+    command-buffer flag already set and keeping the other flags. `bench` is replaced."""
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    bench_train = load("bench_train")
+    flags = "--xla_force_host_platform_device_count=8 --xla_gpu_enable_command_buffer=FUSION"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    monkeypatch.setattr(bench_train, "bench", lambda *args, **kwargs: (1.0, 2.0))
+    argv = ["bench_train.py", "--preset", "tiny", "--backends", "jnp", "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", argv)
+    bench_train.main()
+    assert bench_train.os.environ["XLA_FLAGS"] == flags  # untouched without --profile
+    monkeypatch.setattr("sys.argv", [*argv, "--profile"])
+    bench_train.main()
+    assert bench_train.os.environ["XLA_FLAGS"] == (
+        "--xla_force_host_platform_device_count=8 --xla_gpu_enable_command_buffer="
+    )
+
+
 def test_row_gather_bench_times_both_kernels(monkeypatch):
     """bench_row_gather's kernel table on the CPU (the kernel interpreted, tiny sizes): both
     gathers timed against XLA's, the plain gather bitwise equal, the fused dot products within
