@@ -110,6 +110,14 @@ def test_expert_bias_follows_the_sign_rule():
     np.testing.assert_array_equal(np.asarray(state.expert_load), load)
 
 
+@eqx.filter_jit
+@eqx.filter_value_and_grad(has_aux=True)
+def loss_value_and_grad(model, batch):
+    """The training loss (default weights) with its terms and the model's output as aux."""
+    terms, out = loss_terms(model, batch)
+    return total_loss(terms, hparams(TrainConfig())), (terms, out)
+
+
 def test_loss_in_chunks_equals_the_loss_on_whole_logits():
     """`loss_chunk`: the model's features and the chunked head + loss give the same loss terms
     (main and MTP) and the same gradient of every parameter as the logits made at once; the
@@ -117,15 +125,8 @@ def test_loss_in_chunks_equals_the_loss_on_whole_logits():
     plain = DeepSeekV3(get_preset("tiny"), key=jax.random.key(0))
     chunked = DeepSeekV3(get_preset("tiny", loss_chunk=24), key=jax.random.key(0))  # same weights
     batch = tokens()
-    weights = hparams(TrainConfig())
-
-    def loss(model):
-        terms, _ = loss_terms(model, batch)
-        return total_loss(terms, weights), terms
-
-    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
-    (want, want_terms), want_grads = value_and_grad(plain)
-    (got, got_terms), got_grads = value_and_grad(chunked)
+    (want, (want_terms, _)), want_grads = loss_value_and_grad(plain, batch)
+    (got, (got_terms, _)), got_grads = loss_value_and_grad(chunked, batch)
     assert set(got_terms) == set(want_terms)
     for name in want_terms:
         np.testing.assert_allclose(got_terms[name], want_terms[name], rtol=1e-5, err_msg=name)
@@ -153,18 +154,11 @@ def test_bf16_logits_train_within_their_rounding():
         }.items()
     }
     batch = tokens()
-    weights = hparams(TrainConfig())
-
-    def loss(model):
-        terms, out = loss_terms(model, batch)
-        return total_loss(terms, weights), (terms, out.logits)
-
-    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
-    runs = {name: value_and_grad(model) for name, model in models.items()}
-    (_, (want_terms, logits)), _ = runs["bf16"]
-    (_, (got_terms, got_logits)), _ = runs["bf16 logits"]
-    assert got_logits.dtype == jnp.bfloat16
-    bound = 2 * 2**-9 * float(jnp.abs(logits).max())
+    runs = {name: loss_value_and_grad(model, batch) for name, model in models.items()}
+    (_, (want_terms, want_out)), _ = runs["bf16"]
+    (_, (got_terms, got_out)), _ = runs["bf16 logits"]
+    assert got_out.logits.dtype == jnp.bfloat16
+    bound = 2 * 2**-9 * float(jnp.abs(want_out.logits).max())
     for name in ("ce", "mtp"):
         np.testing.assert_allclose(got_terms[name], want_terms[name], rtol=0, atol=bound)
     exact_grads, wide_grads, narrow_grads = (jax.tree.leaves(run[1]) for run in runs.values())
