@@ -445,3 +445,18 @@ def test_bench_train_set_reads_values_as_the_cli_does(monkeypatch):
         bench_train.with_overrides(get_preset("tiny"), ["num_attention_head=8"])
     with pytest.raises(ValueError, match=r"--set 'model.heads': expected"):
         bench_train.with_overrides(get_preset("tiny"), ["heads"])
+
+
+def test_cross_entropy_bench_times_each_forward(tmp_path, monkeypatch):
+    """bench_cross_entropy on the CPU (tiny sizes): every forward timed for each dtype, each
+    giving the one pass's losses (to float32 rounding), and its result files."""
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    bench = load("bench_cross_entropy")
+    argv = ["--positions", "16", "--vocab", "64", "--out", str(tmp_path)]
+    rows = bench.main(argv)
+    assert [(r["dtype"], r["variant"]) for r in rows] == [
+        (dtype, variant) for dtype in ("bfloat16", "float32") for variant in bench.VARIANTS
+    ]
+    assert all(r["fwd ms"] > 0 and r["fwd+bwd ms"] > 0 and r["max |diff|"] < 1e-5 for r in rows)
+    saved = json.loads((tmp_path / "cross_entropy.json").read_text())["rows"]
+    assert len(saved) == len(rows)

@@ -7,7 +7,13 @@ import numpy as np
 import optax
 import pytest
 
-from dropless.train.cross_entropy import cross_entropy, token_cross_entropy
+from dropless.train.cross_entropy import (
+    _combine,
+    _logsumexp_one_pass,
+    _logsumexp_two_passes,
+    cross_entropy,
+    token_cross_entropy,
+)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -73,20 +79,60 @@ def test_bfloat16_logits_are_widened_as_read_and_kept_as_they_came():
     assert sorted(kept, key=str) == [((3, 7), jnp.float32), ((3, 7), jnp.int32)]
 
 
-def test_one_pass_is_exact_on_extreme_logits():
-    """The running maximum and rescaled sum equal float64's logsumexp where a plain sum of
-    exponentials would overflow (logits of +-1e4) or every logit is equal."""
-    keys = jax.random.split(jax.random.key(6), 2)
+FORWARDS = {"one pass": _logsumexp_one_pass, "two passes": _logsumexp_two_passes}
+
+
+def _float64_logsumexp(logits):
+    x = np.asarray(logits, np.float64)
+    top = x.max(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return top + np.log(np.exp(x - top[..., None]).sum(-1))
+
+
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_both_forwards_are_exact_on_extreme_logits(forward):
+    """Each platform's forward (the public function runs one of them, by platform) equals
+    float64's logsumexp and target pick where a plain sum of exponentials would overflow
+    (logits of +-1e4), where every logit is equal, and with -inf logits (masked words), first
+    in a row, several in a row, or all of a row but one."""
+    keys = jax.random.split(jax.random.key(6), 3)
     spread = 1e4 * jax.random.normal(keys[0], (3, 4, 37))
     equal = jnp.full((3, 4, 37), -7.5)
-    targets = jax.random.randint(keys[1], (3, 4), 0, 37)
-    for logits in (spread, equal):
-        got = token_cross_entropy(logits, targets)
-        x = np.asarray(logits, np.float64)
-        top = x.max(-1)
-        lse = top + np.log(np.exp(x - top[..., None]).sum(-1))
-        want = lse - np.take_along_axis(x, np.asarray(targets)[..., None], -1)[..., 0]
+    masked = jnp.where(jax.random.bernoulli(keys[2], 0.7, (3, 4, 37)), -jnp.inf, spread / 1e3)
+    masked = masked.at[..., 0].set(-jnp.inf).at[0, 0, 1:].set(-jnp.inf).at[0, 0, 5].set(2.0)
+    targets = jax.random.randint(keys[1], (3, 4), 0, 37).at[0, 0].set(5)
+    for logits in (spread, equal, masked):
+        lse, picked = jax.jit(FORWARDS[forward])(logits, targets)
+        np.testing.assert_allclose(lse, _float64_logsumexp(logits), rtol=1e-6)
+        want = np.take_along_axis(np.asarray(logits), np.asarray(targets)[..., None], -1)[..., 0]
+        np.testing.assert_array_equal(picked, want)
+
+
+def test_one_pass_combine_is_order_free_and_takes_equal_maxima():
+    """The one-pass reduction may combine elements in any order (a GPU reduces in a tree):
+    its combiner is commutative and associative on random partial results, and two -inf
+    maxima (two masked words) add their sums where exp(-inf - -inf) would give nan."""
+    keys = jax.random.split(jax.random.key(4), 3)
+    a, b, c = (
+        (
+            3 * jax.random.normal(k, (64,)),
+            jax.random.uniform(k, (64,), minval=1, maxval=9),
+            jax.random.normal(k, (64,)),
+        )
+        for k in keys
+    )
+    for got, want in zip(_combine(a, b), _combine(b, a), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)
+    left, right = _combine(_combine(a, b), c), _combine(a, _combine(b, c))
+    for got, want in zip(left, right, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    lse = lambda m, s: m + np.log(np.asarray(s, np.float64))  # noqa: E731
+    np.testing.assert_allclose(
+        lse(*_combine(a, b)[:2]), np.logaddexp(lse(*a[:2]), lse(*b[:2])), rtol=1e-6
+    )
+    minus_inf = (jnp.float32(-jnp.inf), jnp.float32(1), jnp.float32(0))
+    top, total, _ = _combine(minus_inf, minus_inf)
+    assert top == -jnp.inf and total == 2
 
 
 def test_minus_infinity_logits_equal_optax():
@@ -106,15 +152,19 @@ def test_minus_infinity_logits_equal_optax():
     assert np.all(np.asarray(grad)[np.isinf(np.asarray(logits))] == 0)
 
 
-def test_forward_reads_the_logits_in_one_reduction():
-    logits = jnp.zeros((2, 5, 11))
-    targets = jnp.zeros((2, 5), jnp.int32)
-    jaxpr = jax.make_jaxpr(token_cross_entropy)(logits, targets).jaxpr
-    (call,) = [eqn for eqn in jaxpr.eqns if "custom_vjp" in eqn.primitive.name]
-    inner = call.params["call_jaxpr"].jaxpr
-    reductions = [eqn for eqn in inner.eqns if eqn.primitive.name.startswith("reduce")]
-    assert [eqn.primitive.name for eqn in reductions] == ["reduce"]
-    assert len(reductions[0].outvars) == 3  # maximum, rescaled sum, target logit
+@pytest.mark.parametrize(("platform", "reductions"), [("cuda", [3]), ("cpu", [1, 1, 1])])
+def test_forward_is_one_reduction_on_gpus_and_two_passes_on_the_cpu(platform, reductions):
+    """Lowered for a GPU, the forward reads the logits in one reduction with three results
+    (maximum, rescaled sum, target logit); for the CPU, the maximum and then two sums (which
+    XLA fuses into one pass). Exported for each platform, so this runs without a GPU."""
+    logits = jax.ShapeDtypeStruct((2, 5, 11), jnp.float32)
+    targets = jax.ShapeDtypeStruct((2, 5), jnp.int32)
+    exported = jax.export.export(jax.jit(token_cross_entropy), platforms=[platform])
+    text = exported(logits, targets).mlir_module()
+    # One line per reduce: its results are listed before the "=" as %name:N or %name.
+    heads = [line.split("=")[0] for line in text.splitlines() if "stablehlo.reduce(" in line]
+    counts = [int(h.split(":")[1]) if ":" in h else 1 for h in heads]
+    assert counts == reductions, text
 
 
 @pytest.mark.parametrize("masked", [False, True])
