@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Twentieth run, call A (no TE): the step with float32 against bfloat16 logits (step_logits.py,
+# Twentieth run, call A (no TE): the step with float32 against bfloat16 logits (the nineteenth
+# run's step_logits.py,
 # two rounds) at batch 24 on an H200 or batch 16 on an H100 (78 GiB), then the step's profile
 # with bfloat16 logits (command buffers off); on an H100 also batch 24 with bfloat16 logits.
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -10,7 +11,7 @@ mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 batch=16; [ "$mib" -gt 100000 ] && batch=24
 echo "GPU memory $mib MiB -> batch $batch"; head -12 $OUT/a0_machine.log | grep -E "NVIDIA|MiB"
 cd experiments
-timeout 330 python ../docs/bench_logs/h100-2026-12-05-run20/step_logits.py $batch 2 > $OUT/a1_step_logits_b$batch.log 2>&1
+timeout 330 python ../docs/bench_logs/h200-2026-12-05-run19/step_logits.py $batch 2 > $OUT/a1_step_logits_b$batch.log 2>&1
 grep -E "Error|RESOURCE" $OUT/a1_step_logits_b$batch.log | cut -c 1-300; grep -E "^==" $OUT/a1_step_logits_b$batch.log
 XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 150 python bench_train.py --preset proxy-2b --seq 2048 \
   --attention-impl cudnn --backends pallas --unroll-layers --batch $batch --steps 2 --profile --profile-top 40 \

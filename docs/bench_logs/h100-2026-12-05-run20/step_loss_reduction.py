@@ -42,9 +42,13 @@ runs = {
     "one_exp": (
         bf16,
         "bfloat16 logits, one pass with one exp",
-        lambda: loss_forward(variants._one_pass_one_exp),
+        lambda: loss_forward(variants.VARIANTS["one pass, one exp"].fwd),
     ),
-    "two_passes": (bf16, "bfloat16 logits, two passes", lambda: loss_forward(variants._two_passes)),
+    "two_passes": (
+        bf16,
+        "bfloat16 logits, two passes",
+        lambda: loss_forward(variants.VARIANTS["two passes"].fwd),
+    ),
 }
 for key in chosen:
     config, name, variant = runs[key]
