@@ -82,7 +82,7 @@ def _combine(a, b):
 
 def _logsumexp_two_passes(logits, targets):
     """(logsumexp, target logit) per position: the maximum, then the sum of exponentials and
-    the target's pick in one multi-output reduction."""
+    the target's pick (two sums over the row, which XLA may fuse into one pass)."""
     wide = logits.astype(jnp.float32)
     top = jnp.max(wide, axis=-1)
     safe_top = jnp.where(jnp.isfinite(top), top, 0.0)  # a row of -inf: log(0) = -inf, as optax
