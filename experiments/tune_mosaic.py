@@ -1,6 +1,6 @@
 """Search tile settings for our Mosaic GPU grouped-matmul kernels (`dropless.backends.mosaic_gmm`).
 
-    python experiments/tune_mosaic.py [--cases 7168x2048@8x2048,...] [--ops fwd,dgrad,wgrad]
+    python experiments/tune_mosaic.py [--cases 7168x2048@8x2048,...|proxy] [--ops fwd,dgrad,wgrad]
 
 For each forward shape [K -> N], each layout (experts x mean rows per expert) and each routing
 (balanced, Dirichlet(1)), times every candidate setting of the three kernels (fwd `x @ w`,
@@ -34,6 +34,14 @@ ROW_CANDIDATES = {  # fwd and dgrad: rows x (2 x columns) per thread block, stag
     "chain 128x2x128 s2 b8": KC(max_concurrent_steps=2, band=8, chain=True),
     "chain 128x2x64 s4 b8": KC(tile_n=64, max_concurrent_steps=4, band=8, chain=True),
     "chain 128x2x64 s4 b16": KC(tile_n=64, max_concurrent_steps=4, band=16, chain=True),
+    # Contractions of 32 columns leave shared memory for four stages of 2 x 128 columns, which
+    # divide the steps of every width here, so the pipelines can chain; 64-row blocks likewise.
+    # For the proxy's short contractions (512 and 1024: 8 and 16 steps of 64), where a
+    # pipeline's fill and drain weigh most. Exact in Mosaic GPU's interpreter (fwd).
+    "128x2x128 k32 s4 b4": KC(tile_k=32, max_concurrent_steps=4),
+    "chain 128x2x128 k32 s4 b4": KC(tile_k=32, max_concurrent_steps=4, chain=True),
+    "chain 128x2x128 k32 s4 b8": KC(tile_k=32, max_concurrent_steps=4, band=8, chain=True),
+    "chain 64x2x128 s4 b4": KC(tile_m=64, max_concurrent_steps=4, chain=True),
 }
 WGRAD_CANDIDATES = {  # (2 x rows) x columns of the weight per thread block, rows per chunk
     "2x128x128 k64 s3 b16": WC(),
@@ -48,11 +56,14 @@ WGRAD_CANDIDATES = {  # (2 x rows) x columns of the weight per thread block, row
     "seg64 2x128x128 k64 s3 b8": WC(segment_steps=64, band=8),
 }
 # DeepSeek-V3's expert widths at bench_moe.py's layouts and the proxy-2b preset's (64 experts,
-# top-6 of 16,384 tokens: 1536 rows per expert), most wanted first (see --budget)
+# top-6 of 16,384 tokens: 1536 rows per expert; of batch 24's 49,152: 4608), most wanted first
+# (see --budget). The proxy's gate and up run as one [1024 -> 1024] matmul since the fifteenth
+# run; the [1024 -> 512] cases are the single matmuls of before.
 CASES = ",".join(
     [f"{w}@{e}" for e in ("8x2048", "256x256") for w in ("7168x2048", "2048x7168")]
     + ["1024x512@64x1536", "512x1024@64x1536", "7168x2048@64x512", "2048x7168@64x512"]
 )
+PROXY_CASES = "1024x1024@64x4608,512x1024@64x4608"
 DEFAULTS = {"fwd": "128x2x128 s3 b4", "dgrad": "128x2x128 s3 b4", "wgrad": "2x128x128 k64 s3 b16"}
 
 
@@ -133,7 +144,10 @@ def dense(op: str):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--cases", default=CASES, help="comma-separated KxN@EXPERTSxROWS (rows per expert)"
+        "--cases",
+        default=CASES,
+        help="comma-separated KxN@EXPERTSxROWS (rows per expert), or 'proxy' for proxy-2b's "
+        f"batch-24 shapes ({PROXY_CASES})",
     )
     parser.add_argument("--ops", default="fwd,dgrad,wgrad")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds per case")
@@ -147,7 +161,7 @@ def main(argv=None):
     ops = args.ops.split(",")
     cases = [
         tuple(int(v) for part in case.split("@") for v in part.split("x"))
-        for case in args.cases.split(",")
+        for case in (PROXY_CASES if args.cases == "proxy" else args.cases).split(",")
     ]
     timer = kernel_time if args.timer == "kernel" else wall_time
     checked: dict[tuple[str, str], float] = {}  # relative error of each (op, candidate)

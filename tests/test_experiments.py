@@ -237,6 +237,38 @@ def test_mosaic_tile_search_rejects_inexact_settings(tmp_path, monkeypatch, caps
     assert [(r["op"], r["best"]) for r in best] == [("fwd", "default"), ("wgrad", "default")]
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "128x2x128 k32 s4 b4",
+        "chain 128x2x128 k32 s4 b4",
+        "chain 128x2x128 k32 s4 b8",
+        "chain 64x2x128 s4 b4",
+    ],
+)
+def test_short_contraction_tile_candidates_lower_for_cuda(name, lowered, monkeypatch):
+    """tune_mosaic's candidates for the proxy's short contractions (added untimed) go through
+    Mosaic GPU's lowering, forward and input gradient, at the proxy's [512 -> 1024]: a setting
+    Mosaic cannot lay out fails here, not in a GPU call."""
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    sys.modules.pop("tune_mosaic", None)
+    import tune_mosaic
+
+    config = tune_mosaic.ROW_CANDIDATES[name]
+    sizes = jax.ShapeDtypeStruct((64,), jnp.int32)
+    w = jax.ShapeDtypeStruct((64, 512, 1024), jnp.bfloat16)
+    for op, width in (("fwd", 512), ("dgrad", 1024)):
+        assert tune_mosaic.applies(op, config, 512, 1024)
+        x = jax.ShapeDtypeStruct((4096, width), jnp.bfloat16)
+        text = lowered(tune_mosaic.kernel(op, config), x, w, sizes, platform="cuda")
+        assert text.count("custom_call @mosaic_gpu") == 1
+
+
 def test_grouped_gemm_figure_is_redrawn_from_a_results_csv(tmp_path, monkeypatch):
     """--replot draws a committed run's table (the tenth H200 run's) without running anything;
     a CSV of another script is named as such."""

@@ -78,18 +78,21 @@ def _interpret(monkeypatch):
     monkeypatch.setattr(mosaic_gmm, "INTERPRET", InterpretGPUParams())
 
 
-@pytest.mark.parametrize("chain", [False, True])
-def test_kernel_equals_each_groups_matmul_in_the_interpreter(monkeypatch, chain):
+@pytest.mark.parametrize(
+    ("chain", "tile_k", "stages"), [(False, 64, 2), (True, 64, 2), (True, 32, 4)]
+)
+def test_kernel_equals_each_groups_matmul_in_the_interpreter(monkeypatch, chain, tile_k, stages):
     """Uneven groups, an empty one, a block shared by three groups, and rows that fill no
     whole block (the last group's weights cover them). The input-gradient form (`transpose_rhs`)
     is left to the GPU tests: the interpreter cannot run a transposed wgmma operand.
-    With `chain`, the interpreter's 4 thread blocks each chain two or three pipelines."""
+    With `chain`, the interpreter's 4 thread blocks each chain two or three pipelines; with
+    32-column contractions, four stages in flight."""
     _interpret(monkeypatch)
     sizes = np.array([0, 70, 3, 0, 120])
     rows, k, n = 200, 128, 256  # two column blocks of 2 x 64
     x = jax.random.normal(jax.random.key(0), (rows, k), jnp.bfloat16)
     config = mosaic_gmm.KernelConfig(
-        tile_m=64, tile_n=64, max_concurrent_steps=2, band=2, chain=chain
+        tile_m=64, tile_n=64, tile_k=tile_k, max_concurrent_steps=stages, band=2, chain=chain
     )
     # Two weight sets in turn: a row the kernel forgot to store would keep whatever the
     # interpreter's output buffer held (NaN, or the first call's result), never the right value.
