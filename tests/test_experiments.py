@@ -481,7 +481,8 @@ def test_bench_train_set_reads_values_as_the_cli_does(monkeypatch):
 
 def test_cross_entropy_bench_times_each_forward(tmp_path, monkeypatch):
     """bench_cross_entropy on the CPU (tiny sizes): every forward timed for each dtype, each
-    giving the one pass's losses (to float32 rounding), and its result files."""
+    giving the one pass's losses (to float32 rounding), its result files, and ratios over
+    whichever variant is asked for."""
     monkeypatch.syspath_prepend(str(EXPERIMENTS))
     bench = load("bench_cross_entropy")
     argv = ["--positions", "16", "--vocab", "64", "--out", str(tmp_path)]
@@ -492,3 +493,6 @@ def test_cross_entropy_bench_times_each_forward(tmp_path, monkeypatch):
     assert all(r["fwd ms"] > 0 and r["fwd+bwd ms"] > 0 and r["max |diff|"] < 1e-5 for r in rows)
     saved = json.loads((tmp_path / "cross_entropy.json").read_text())["rows"]
     assert len(saved) == len(rows)
+    # Ratios over any variant, not only the first timed.
+    rows = bench.main([*argv, "--dtypes", "float32"], base="two passes")
+    assert [r["fwd / two passes"] for r in rows if r["variant"] == "two passes"] == [1.0]
