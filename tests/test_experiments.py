@@ -496,3 +496,18 @@ def test_cross_entropy_bench_times_each_forward(tmp_path, monkeypatch):
     # Ratios over any variant, not only the first timed.
     rows = bench.main([*argv, "--dtypes", "float32"], base="two passes")
     assert [r["fwd / two passes"] for r in rows if r["variant"] == "two passes"] == [1.0]
+
+
+def test_swiglu_epilogue_bench_in_the_interpreter(tmp_path, monkeypatch):
+    """bench_swiglu_epilogue on the CPU through Mosaic GPU's interpreter (one tiny case): both
+    paths timed, their hidden outputs within bf16 rounding, and its result files."""
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
+    bench = load("bench_swiglu_epilogue")
+    from dropless.backends import mosaic_gmm
+
+    monkeypatch.setattr(mosaic_gmm, "INTERPRET", None)  # main sets it; restored after the test
+    rows = bench.main(["--interpret", "--cases", "128x64@3x40", "--out", str(tmp_path)])
+    assert [r["case"] for r in rows] == ["128x64@3x40"]
+    assert rows[0]["separate ms"] > 0 and rows[0]["fused ms"] > 0 and rows[0]["rel diff"] < 1e-2
+    assert (tmp_path / "swiglu_epilogue.json").exists()

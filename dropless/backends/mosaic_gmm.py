@@ -127,7 +127,47 @@ def grouped_matmul(
     return out[:rows]
 
 
-def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
+def grouped_matmul_swiglu(
+    lhs: Float[Array, "rows k"],
+    rhs: Float[Array, "groups k gate_up"],
+    group_sizes: Int[Array, " groups"],
+    *,
+    config: KernelConfig | None = None,
+) -> tuple[Float[Array, "rows gate_up"], Float[Array, "rows hidden"]]:
+    """`grouped_matmul(lhs, rhs)` and, from the same tiles before they leave the GPU's shared
+    memory, `silu(gate) * up`: the SwiGLU of the experts' gate-and-up product without another
+    pass over it. `rhs` holds gate and up columns interleaved in blocks of `tile_n // 2`
+    (`interleave_gate_up`, same config), so each compute warpgroup's tile has a block of each;
+    the first output keeps that order (for the backward), the second is in the hidden units'
+    order. The SwiGLU is computed in float32 from the bf16/f16-rounded gate and up."""
+    rows, k = lhs.shape
+    n = rhs.shape[2]
+    c = config or config_for(n)
+    _check("grouped matmul", lhs, rhs, (("k", k, c.tile_k), ("n", n, 2 * c.tile_n)))
+    if rows == 0:
+        return jnp.zeros((0, n), lhs.dtype), jnp.zeros((0, n // 2), lhs.dtype)
+    (lhs,) = _pad_rows((lhs,), c.tile_m)
+    schedule, n_items = tile_schedule(group_sizes, lhs.shape[0], c.tile_m)
+    gate_up, hidden = _launch(schedule, n_items, lhs, rhs, False, c, swiglu=True)
+    return gate_up[:rows], hidden[:rows]
+
+
+def interleave_gate_up(
+    w_gate: Float[Array, "*groups k hidden"],
+    w_up: Float[Array, "*groups k hidden"],
+    config: KernelConfig | None = None,
+) -> Float[Array, "*groups k gate_up"]:
+    """Gate and up weights side by side in blocks of `tile_n // 2` columns (gate block 0, up
+    block 0, gate block 1, ...), the layout `grouped_matmul_swiglu` takes."""
+    *lead, k, hidden = w_gate.shape
+    block = (config or config_for(2 * hidden)).tile_n // 2
+    if hidden % block:
+        raise ValueError(f"interleave_gate_up: hidden={hidden} must be a multiple of {block}")
+    blocks = [w.reshape(*lead, k, hidden // block, 1, block) for w in (w_gate, w_up)]
+    return jnp.concatenate(blocks, axis=-2).reshape(*lead, k, 2 * hidden)
+
+
+def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig, swiglu=False):
     rows, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     dtype = lhs.dtype
@@ -152,14 +192,18 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
             mma, compute_context, steps, [lhs_spec, rhs_spec], c.max_concurrent_steps, state
         )
 
-    def body(schedule_gmem, n_items_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    # Not swizzled: the store ladder slices it at any row, swizzling tiles rows by 8. With the
+    # SwiGLU, each warpgroup's tile is kept as its gate and up halves, each contiguous (a TMA
+    # store takes only contiguous shared memory), the hidden units then written over the gate.
+    tile_shape = (2, c.tile_m, c.tile_n // 2) if swiglu else (c.tile_m, c.tile_n)
+
+    def body(schedule_gmem, n_items_gmem, lhs_gmem, rhs_gmem, out_gmem, hidden_gmem=None):
         allocs = pipeline(_ignore, _ignore).get_allocations(lhs_gmem, rhs_gmem.at[0])
 
         @functools.partial(
             pl.run_scoped,
             allocs=allocs,
-            # Not swizzled: the store ladder slices it at any row, swizzling tiles rows by 8.
-            out_smem=plgpu.SMEM((2, c.tile_m, c.tile_n), dtype),
+            out_smem=plgpu.SMEM((2, *tile_shape), dtype),
             collective_axes="wg",
         )
         def scope(allocs, out_smem):
@@ -187,11 +231,25 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
                     plgpu.wgmma_wait(0)
                     return acc
 
-                def store(tile):
-                    dst = out_gmem.at[pl.ds(row0, c.tile_m), cols].at[:, wg_cols]
+                def store(tile, gmem=out_gmem, at_cols=wg_cols, out_cols=cols):
+                    dst = gmem.at[pl.ds(row0, c.tile_m), out_cols].at[:, at_cols]
                     _store_rows(tile, dst, first, end - first, c.tile_m)
 
-                compute_context = _epilogue(out_smem, wg, dtype, c.tile_m, c.tile_n, store)
+                if swiglu:
+                    half = c.tile_n // 2
+                    halves = [pl.ds(wg * c.tile_n + i * half, half) for i in range(2)]
+                    hidden_cols = pl.ds(col_block * c.tile_n + wg * half, half)
+                    compute_context = _swiglu_epilogue(
+                        out_smem,
+                        wg,
+                        dtype,
+                        c.tile_m,
+                        c.tile_n,
+                        lambda i, tile: store(tile, at_cols=halves[i]),
+                        lambda tile: store(tile, hidden_gmem, pl.ds(0, half), hidden_cols),
+                    )
+                else:
+                    compute_context = _epilogue(out_smem, wg, dtype, c.tile_m, c.tile_n, store)
                 refs = (lhs_gmem.at[pl.ds(row0, c.tile_m), :], weights)
                 if c.chain:
                     make = functools.partial(pipeline, mma, compute_context)
@@ -201,7 +259,8 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig):
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = _kernel(body, (rows, n), dtype)
+    out_shapes = [(rows, n), (rows, n // 2)] if swiglu else (rows, n)
+    kernel = _kernel(body, out_shapes, dtype)
     return kernel(schedule, n_items, lhs, rhs)
 
 
@@ -281,10 +340,15 @@ def _swizzled(dtype, tile_k: int) -> tuple:
 
 
 def _kernel(body, out_shape, dtype):
-    """One thread block per SM, each a memory warpgroup and two compute warpgroups ("wg")."""
+    """One thread block per SM, each a memory warpgroup and two compute warpgroups ("wg").
+    `out_shape`: one output's shape, or a list of shapes for as many outputs."""
+    if isinstance(out_shape, list):
+        out_type = [jax.ShapeDtypeStruct(shape, dtype) for shape in out_shape]
+    else:
+        out_type = jax.ShapeDtypeStruct(out_shape, dtype)
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct(out_shape, dtype),
+        out_type=out_type,
         grid=(getattr(jax.devices()[0], "core_count", None) or 4,),
         grid_names=("sm",),
         num_threads=3,
@@ -294,10 +358,10 @@ def _kernel(body, out_shape, dtype):
     )
 
 
-def _epilogue(out_smem, wg, dtype, tile_m: int, tile_n: int, store):
+def _finished_in(dtype, tile_m: int, tile_n: int, finish):
     """The compute warpgroups' side of a pipeline: run it into a float32 accumulator, then,
-    once the previous item's stores have read this warpgroup's tile `out_smem[wg]`, write the
-    result there in `dtype` and `store(out_smem.at[wg])` it to global memory."""
+    once the previous item's stores have read this warpgroup's shared memory, hand the result
+    in `dtype` to `finish` (which writes and stores it)."""
 
     def compute_context(run):
         @functools.partial(pl.run_scoped, acc=plgpu.ACC((tile_m, tile_n), jnp.float32))
@@ -305,11 +369,44 @@ def _epilogue(out_smem, wg, dtype, tile_m: int, tile_n: int, store):
             run(acc)
             result = acc[...].astype(dtype)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            out_smem[wg] = result
-            plgpu.commit_smem()
-            store(out_smem.at[wg])
+            finish(result)
 
     return compute_context
+
+
+def _epilogue(out_smem, wg, dtype, tile_m: int, tile_n: int, store):
+    """Write the result to this warpgroup's tile `out_smem[wg]` and `store(out_smem.at[wg])`
+    it to global memory."""
+
+    def finish(result):
+        out_smem[wg] = result
+        plgpu.commit_smem()
+        store(out_smem.at[wg])
+
+    return _finished_in(dtype, tile_m, tile_n, finish)
+
+
+def _swiglu_epilogue(out_smem, wg, dtype, tile_m: int, tile_n: int, store_half, store_hidden):
+    """`_epilogue` for `grouped_matmul_swiglu`: the tile's gate and up halves are stored
+    (`store_half(i, half)`), read back to registers, and `silu(gate) * up` is written over the
+    gate half once its store has read it, then stored (`store_hidden`)."""
+    half = tile_n // 2
+
+    def finish(result):
+        out_smem[wg, 0] = result[:, :half]
+        out_smem[wg, 1] = result[:, half:]
+        plgpu.commit_smem()
+        for i in range(2):
+            store_half(i, out_smem.at[wg, i])
+        gate = out_smem[wg, 0].astype(jnp.float32)
+        up = out_smem[wg, 1].astype(jnp.float32)
+        hidden = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out_smem[wg, 0] = hidden
+        plgpu.commit_smem()
+        store_hidden(out_smem.at[wg, 0])
+
+    return _finished_in(dtype, tile_m, tile_n, finish)
 
 
 def _ignore(*_, **__):

@@ -291,6 +291,49 @@ def test_chained_mosaic_kernel_is_exact(op, layout, columns):
     assert rel_err(got[:live_rows], want[:live_rows]) <= BF16
 
 
+@pytest.mark.parametrize("layout", ["skewed", "one_expert", "short"])
+def test_mosaic_swiglu_kernel_is_exact(layout):
+    """`grouped_matmul_swiglu` (the SwiGLU in the epilogue): the gate-and-up output equals
+    the plain product with the interleaved weights, the hidden output silu(gate) * up of the
+    rounded gate and up; 4000 rows so that thread blocks take several tiles."""
+    pallas = load("pallas")
+    from dropless.backends import mosaic_gmm
+
+    e, rows, k, hidden = 16, 4000, 512, 512
+    live_rows = rows - 37 if layout == "short" else rows
+    sizes = group_sizes("skewed" if layout == "short" else layout, live_rows, e, seed=6)
+    keys = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
+    w_gate, w_up = (
+        (jax.random.normal(key, (e, k, hidden)) / k**0.5).astype(jnp.bfloat16) for key in keys[1:]
+    )
+    w = mosaic_gmm.interleave_gate_up(w_gate, w_up)
+    gate_up, h = mosaic_gmm.grouped_matmul_swiglu(x, w, sizes)
+    want = pallas.reference_op("fwd", x, w, sizes)
+    assert rel_err(gate_up[:live_rows], want[:live_rows]) <= BF16
+    plain = pallas.reference_op("fwd", x, jnp.concatenate([w_gate, w_up], -1), sizes)
+    gate, up = jnp.split(plain.astype(jnp.bfloat16).astype(jnp.float32), 2, axis=-1)
+    want_h = jax.nn.silu(gate) * up
+    assert rel_err(h[:live_rows], want_h[:live_rows]) <= BF16
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+@pytest.mark.parametrize("chain", [False, True])
+def test_mosaic_kernel_with_32_column_contractions_is_exact(op, chain):
+    """tune_mosaic's short-contraction candidates: contractions of 32 columns, four stages."""
+    pallas = load("pallas")
+    from dropless.backends import mosaic_gmm
+
+    e, rows, k, n = 16, 4000, 512, 1024
+    sizes = group_sizes("skewed", rows, e, seed=7)
+    config = mosaic_gmm.KernelConfig(tile_k=32, max_concurrent_steps=4, chain=chain)
+    keys = jax.random.split(jax.random.key(3), 2)
+    w = jax.random.normal(keys[1], (e, k, n), jnp.bfloat16)
+    a = jax.random.normal(keys[0], (rows, k if op == "fwd" else n), jnp.bfloat16)
+    got = mosaic_gmm.grouped_matmul(a, w, sizes, transpose_rhs=op == "dgrad", config=config)
+    assert rel_err(got, pallas.reference_op(op, a, w, sizes)) <= BF16
+
+
 @pytest.mark.parametrize("layout", ["skewed", "one_expert", "short", "many_small", "all_empty"])
 @pytest.mark.parametrize("segment_steps", [None, 1, 4, 64])
 def test_segmented_weight_grad_is_exact(layout, segment_steps):

@@ -107,6 +107,46 @@ def test_kernel_equals_each_groups_matmul_in_the_interpreter(monkeypatch, chain,
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-2  # bf16 output of f32 sums
 
 
+def test_swiglu_kernel_equals_the_matmul_and_its_swiglu_in_the_interpreter(monkeypatch):
+    """`grouped_matmul_swiglu` on uneven groups (an empty one, a block shared by three): the
+    gate-and-up output equals the plain product with the interleaved weights, and the hidden
+    output equals silu(gate) * up of the rounded gate and up, in the hidden units' order."""
+    _interpret(monkeypatch)
+    sizes = np.array([0, 70, 3, 0, 120])
+    rows, k, hidden = 200, 128, 128
+    config = mosaic_gmm.KernelConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, band=2)
+    x = jax.random.normal(jax.random.key(0), (rows, k), jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    for seed in (1, 2):  # a row or column left unstored keeps the first call's value
+        keys = jax.random.split(jax.random.key(seed))
+        w_gate, w_up = (
+            (jax.random.normal(key, (5, k, hidden)) / 8).astype(jnp.bfloat16) for key in keys
+        )
+        w = mosaic_gmm.interleave_gate_up(w_gate, w_up, config)
+        gate_up, h = mosaic_gmm.grouped_matmul_swiglu(x, w, gs, config=config)
+        assert gate_up.shape == (rows, 2 * hidden) and h.shape == (rows, hidden)
+        want = np.asarray(pallas.reference_op("fwd", x, w, gs))
+        got = np.asarray(gate_up, np.float32)
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-2
+        plain = pallas.reference_op("fwd", x, jnp.concatenate([w_gate, w_up], -1), gs)
+        gate, up = np.split(np.asarray(plain.astype(jnp.bfloat16), np.float32), 2, axis=-1)
+        want_h = gate / (1 + np.exp(-gate)) * up
+        got_h = np.asarray(h, np.float32)
+        assert np.abs(got_h - want_h).max() / np.abs(want_h).max() < 1e-2
+
+
+def test_interleave_gate_up_alternates_blocks_of_half_a_tile():
+    config = mosaic_gmm.KernelConfig(tile_n=4)
+    w_gate = jnp.arange(2 * 8, dtype=jnp.float32).reshape(1, 2, 8)
+    w_up = -w_gate
+    w = mosaic_gmm.interleave_gate_up(w_gate, w_up, config)
+    np.testing.assert_array_equal(
+        w[0, 1], [8, 9, -8, -9, 10, 11, -10, -11, 12, 13, -12, -13, 14, 15, -14, -15]
+    )
+    with pytest.raises(ValueError, match="hidden=7 must be a multiple of 2"):
+        mosaic_gmm.interleave_gate_up(jnp.zeros((2, 7)), jnp.zeros((2, 7)), config)
+
+
 def test_a_single_chained_pipeline_runs_unchained(monkeypatch):
     """One row block and one column block: one thread block has a single pipeline, which
     must both start and stop the chain (the others have none)."""
@@ -204,13 +244,18 @@ def test_small_experts_take_the_segmented_weight_gradient(
         mosaic_gmm.WeightGradConfig(segment_steps=0)
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "dgrad", "wgrad per expert", "wgrad in runs"])
+@pytest.mark.parametrize(
+    "kernel", ["fwd", "dgrad", "fwd+swiglu", "wgrad per expert", "wgrad in runs"]
+)
 def test_kernels_lower_for_cuda_on_the_cpu(kernel, lowered):
     """Each kernel goes through Mosaic GPU's lowering (layouts, allocations) into one custom
     call: the part of a GPU run that a CPU can check. What it computes is the GPU tests'."""
     x = jax.ShapeDtypeStruct((1000, 512), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((16,), jnp.int32)
-    if kernel in ("fwd", "dgrad"):
+    if kernel == "fwd+swiglu":
+        w = jax.ShapeDtypeStruct((16, 512, 512), jnp.bfloat16)
+        text = lowered(mosaic_gmm.grouped_matmul_swiglu, x, w, sizes, platform="cuda")
+    elif kernel in ("fwd", "dgrad"):
         w = jax.ShapeDtypeStruct((16, 512, 512), jnp.bfloat16)
         dgrad = kernel == "dgrad"
         text = lowered(
