@@ -43,6 +43,18 @@ class AbstractGroupedMatmul(eqx.Module):
         group_sizes: Int[Array, " experts"],
     ) -> Float[Array, "rows out"]: ...
 
+    def gate_up_swiglu(
+        self,
+        rows: Float[Array, "rows dim"],
+        w_gate: Float[Array, "experts dim hidden"],
+        w_up: Float[Array, "experts dim hidden"],
+        group_sizes: Int[Array, " experts"],
+    ) -> Float[Array, "rows hidden"]:
+        """silu(rows @ w_gate[e]) * (rows @ w_up[e]) per group, the weights cast to the rows'
+        dtype: one grouped matmul over the weights side by side, then the SwiGLU. A strategy
+        may fuse the two."""
+        return swiglu(self(rows, gate_up(w_gate, w_up, rows.dtype), group_sizes))
+
 
 class GroupedExperts(eqx.Module):
     """SwiGLU experts with weights in one canonical layout, whatever the strategy."""
@@ -72,6 +84,5 @@ class GroupedExperts(eqx.Module):
         self, rows: Float[Array, "rows dim"], group_sizes: Int[Array, " experts"]
     ) -> Float[Array, "rows dim"]:
         with jax.named_scope("experts"):
-            dt = rows.dtype
-            hidden = swiglu(self.gmm(rows, gate_up(self.w_gate, self.w_up, dt), group_sizes))
-            return self.gmm(hidden, self.w_down.astype(dt), group_sizes)
+            hidden = self.gmm.gate_up_swiglu(rows, self.w_gate, self.w_up, group_sizes)
+            return self.gmm(hidden, self.w_down.astype(rows.dtype), group_sizes)

@@ -156,36 +156,83 @@ def _fwd(lhs, rhs, group_sizes, kernels):
 
 def _bwd(kernels, res, g):
     lhs, rhs, group_sizes = res
-    in_width, out_width = rhs.shape[1:]
     g = g.astype(lhs.dtype)
     dlhs = row_op("dgrad", g, rhs, group_sizes, kernels)
-    from dropless.backends import mosaic_gmm
-
-    if kernels == "dropless" and mosaic_gmm.weight_grad_fits(in_width, out_width):
-        drhs = mosaic_gmm.grouped_weight_grad(lhs, g, group_sizes)
-    else:
-        drhs = run_op("wgrad", lhs, g, group_sizes, block_config("wgrad", in_width, out_width))
-    return dlhs, drhs.astype(rhs.dtype), None
+    return dlhs, _weight_grad(lhs, g, group_sizes, kernels).astype(rhs.dtype), None
 
 
 pallas_grouped_matmul.defvjp(_fwd, _bwd)
+
+
+def _weight_grad(lhs, g, group_sizes, kernels: Kernels):
+    from dropless.backends import mosaic_gmm
+
+    in_width, out_width = lhs.shape[1], g.shape[1]
+    if kernels == "dropless" and mosaic_gmm.weight_grad_fits(in_width, out_width):
+        return mosaic_gmm.grouped_weight_grad(lhs, g, group_sizes)
+    return run_op("wgrad", lhs, g, group_sizes, block_config("wgrad", in_width, out_width))
+
+
+@jax.custom_vjp
+def pallas_gate_up_swiglu(rows, w_interleaved, group_sizes):
+    """SwiGLU of the gate-and-up grouped matmul in one kernel (`mosaic_gmm.grouped_matmul_swiglu`;
+    the weights interleaved by `mosaic_gmm.interleave_gate_up`), with an exact VJP: the
+    SwiGLU's gradient from the saved gate and up, then our input- and weight-gradient kernels."""
+    from dropless.backends import mosaic_gmm
+
+    return mosaic_gmm.grouped_matmul_swiglu(rows, w_interleaved, group_sizes)[1]
+
+
+def _swiglu_fwd(rows, w_interleaved, group_sizes):
+    from dropless.backends import mosaic_gmm
+
+    gate_up, hidden = mosaic_gmm.grouped_matmul_swiglu(rows, w_interleaved, group_sizes)
+    return hidden, (rows, w_interleaved, group_sizes, gate_up)
+
+
+def _swiglu_bwd(res, d_hidden):
+    from dropless.backends import mosaic_gmm
+
+    rows, w, group_sizes, gate_up = res
+    n_rows, width = gate_up.shape
+    block = mosaic_gmm.config_for(width).tile_n // 2  # the kernel's interleave
+    pairs = gate_up.reshape(n_rows, -1, 2, block).astype(jnp.float32)  # gate i, up i, ...
+    gate, up = pairs[:, :, 0], pairs[:, :, 1]
+    dh = d_hidden.reshape(n_rows, -1, block).astype(jnp.float32)
+    sig = jax.nn.sigmoid(gate)
+    d_up = dh * gate * sig
+    d_gate = dh * up * sig * (1 + gate * (1 - sig))
+    d_gate_up = jnp.stack([d_gate, d_up], axis=2).reshape(n_rows, width).astype(rows.dtype)
+    d_rows = row_op("dgrad", d_gate_up, w, group_sizes, "dropless")
+    return d_rows, _weight_grad(rows, d_gate_up, group_sizes, "dropless").astype(w.dtype), None
+
+
+pallas_gate_up_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class PallasGroupedMatmul(AbstractGroupedMatmul):
     """Grouped GEMM on Mosaic GPU kernels (Hopper, bf16/fp16), with an exact custom VJP.
     `kernels`: "dropless" (ours, faster with many experts) or "jax" (JAX's, for comparison).
     `fallback`: the strategy for expert widths the kernels cannot tile (not multiples of 128);
-    without one, such widths raise."""
+    without one, such widths raise. `fused_swiglu` (opt-in, not yet timed on a GPU): the
+    experts' gate-and-up matmul computes its SwiGLU in the kernel's epilogue
+    (`pallas_gate_up_swiglu`; our kernels only)."""
 
     requires_gpu: ClassVar[bool] = True
     compute_dtype: str = eqx.field(default="bfloat16", static=True)
     kernels: Kernels = eqx.field(default="dropless", static=True)
     fallback: AbstractGroupedMatmul | None = None
+    fused_swiglu: bool = eqx.field(default=False, static=True)
 
     def __check_init__(self):
         if self.kernels not in ("dropless", "jax"):
             raise ValueError(
                 f"PallasGroupedMatmul.kernels={self.kernels!r} must be 'dropless' or 'jax'"
+            )
+        if self.fused_swiglu and self.kernels != "dropless":
+            raise ValueError(
+                "PallasGroupedMatmul.fused_swiglu=True needs kernels='dropless' (the fused "
+                f"epilogue is ours), got kernels={self.kernels!r}"
             )
         if self.compute_dtype not in ("bfloat16", "float16"):
             raise ValueError(
@@ -209,6 +256,18 @@ class PallasGroupedMatmul(AbstractGroupedMatmul):
             lhs.astype(dt), rhs.astype(dt), group_sizes.astype(jnp.int32), self.kernels
         )
         return out.astype(lhs.dtype)
+
+    def gate_up_swiglu(self, rows, w_gate, w_up, group_sizes):
+        from dropless.backends import mosaic_gmm
+
+        dim, hidden = w_gate.shape[1:]
+        config = mosaic_gmm.config_for(2 * hidden)
+        if not self.fused_swiglu or not mosaic_gmm.matmul_fits(dim, 2 * hidden, config):
+            return super().gate_up_swiglu(rows, w_gate, w_up, group_sizes)
+        dt = jnp.dtype(self.compute_dtype)
+        w = mosaic_gmm.interleave_gate_up(w_gate, w_up, config).astype(dt)
+        hidden_rows = pallas_gate_up_swiglu(rows.astype(dt), w, group_sizes.astype(jnp.int32))
+        return hidden_rows.astype(rows.dtype)
 
 
 def pallas_backend() -> Backend:

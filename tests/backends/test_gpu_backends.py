@@ -317,6 +317,29 @@ def test_mosaic_swiglu_kernel_is_exact(layout):
     assert rel_err(h[:live_rows], want_h[:live_rows]) <= BF16
 
 
+@pytest.mark.parametrize("layout", ["skewed", "one_expert"])
+def test_pallas_fused_swiglu_equals_the_plain_strategy(layout):
+    """`PallasGroupedMatmul(fused_swiglu=True)` against the plain strategy (matmul, then XLA's
+    SwiGLU): value and gradients of the rows and both weights, at proxy-2b's widths."""
+    pallas = load("pallas")
+    e, rows, dim, hidden = 16, 4000, 1024, 512
+    sizes = group_sizes(layout, rows, e, seed=8)
+    keys = jax.random.split(jax.random.key(4), 4)
+    x = jax.random.normal(keys[0], (rows, dim), jnp.bfloat16)
+    w_gate, w_up = (jax.random.normal(k, (e, dim, hidden)) / dim**0.5 for k in keys[1:3])
+    d_hidden = jax.random.normal(keys[3], (rows, hidden))
+
+    def loss(strategy, x, w_gate, w_up):
+        hidden_rows = strategy.gate_up_swiglu(x, w_gate, w_up, sizes)
+        return jnp.sum(hidden_rows.astype(jnp.float32) * d_hidden)
+
+    grads = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3)), static_argnums=0)
+    got = grads(pallas.PallasGroupedMatmul(fused_swiglu=True), x, w_gate, w_up)
+    want = grads(pallas.PallasGroupedMatmul(), x, w_gate, w_up)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert rel_err(a, b) <= BF16
+
+
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])
 @pytest.mark.parametrize("chain", [False, True])
 def test_mosaic_kernel_with_32_column_contractions_is_exact(op, chain):

@@ -226,3 +226,60 @@ def test_pallas_on_a_gpu_before_hopper_is_unavailable(monkeypatch):
             backends.get_backend("pallas")
     finally:
         pallas.load_kernels.cache_clear()
+
+
+def _reference_kernels(monkeypatch):
+    """Our three kernels and the fused SwiGLU one replaced by float32 references of their
+    contracts (outputs in the operands' dtype), so the custom VJPs around them run on a CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    from dropless.backends import mosaic_gmm
+
+    def grouped_matmul(a, b, s, *, transpose_rhs=False, config=None):
+        return pallas.reference_op("dgrad" if transpose_rhs else "fwd", a, b, s).astype(a.dtype)
+
+    def grouped_weight_grad(a, g, s, *, config=None):
+        return pallas.reference_op("wgrad", a, g, s).astype(a.dtype)
+
+    def grouped_matmul_swiglu(a, w, s, *, config=None):
+        gate_up = pallas.reference_op("fwd", a, w, s).astype(a.dtype)
+        block = mosaic_gmm.config_for(w.shape[2]).tile_n // 2
+        pairs = gate_up.astype(jnp.float32).reshape(a.shape[0], -1, 2, block)
+        hidden = jax.nn.silu(pairs[:, :, 0]) * pairs[:, :, 1]
+        return gate_up, hidden.reshape(a.shape[0], -1).astype(a.dtype)
+
+    monkeypatch.setattr(mosaic_gmm, "grouped_matmul", grouped_matmul)
+    monkeypatch.setattr(mosaic_gmm, "grouped_weight_grad", grouped_weight_grad)
+    monkeypatch.setattr(mosaic_gmm, "grouped_matmul_swiglu", grouped_matmul_swiglu)
+
+
+def test_fused_swiglu_equals_the_matmul_then_swiglu_with_gradients(monkeypatch):
+    """`PallasGroupedMatmul(fused_swiglu=True)`: the experts' SwiGLU from the fused kernel
+    (here its reference) equals the plain strategy's matmul-then-SwiGLU, in value and in the
+    gradients of the rows and both weights, on uneven groups with an empty one: the custom
+    VJP's de-interleaving, SwiGLU gradient and kernel calls are checked on the CPU."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    _reference_kernels(monkeypatch)
+    sizes = jnp.array([70, 0, 30, 100])
+    keys = jax.random.split(jax.random.key(0), 4)
+    rows = jax.random.normal(keys[0], (200, 256)).astype(jnp.bfloat16)  # 256: our wgrad's rows
+    w_gate, w_up = (jax.random.normal(k, (4, 256, 256)) / 16 for k in keys[1:3])
+    d_hidden = jax.random.normal(keys[3], (200, 256))
+
+    def loss(strategy, rows, w_gate, w_up):
+        hidden = strategy.gate_up_swiglu(rows, w_gate, w_up, sizes)
+        assert hidden.dtype == rows.dtype and hidden.shape == (200, 256)
+        return jnp.sum(hidden.astype(jnp.float32) * d_hidden)
+
+    grads = jax.value_and_grad(loss, argnums=(1, 2, 3))
+    got = grads(pallas.PallasGroupedMatmul(fused_swiglu=True), rows, w_gate, w_up)
+    want = grads(pallas.PallasGroupedMatmul(), rows, w_gate, w_up)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)  # bf16 compute either way
+    with pytest.raises(ValueError, match="fused_swiglu=True needs kernels='dropless'"):
+        pallas.PallasGroupedMatmul(fused_swiglu=True, kernels="jax")
