@@ -18,6 +18,7 @@ the one pass, and its largest difference from the one pass's losses.
 """
 
 import argparse
+import functools
 import pathlib
 
 import jax
@@ -25,7 +26,6 @@ import jax.numpy as jnp
 
 from dropless.train.cross_entropy import (
     _backward,
-    _is_target,
     _logsumexp_one_pass,
     _logsumexp_two_passes,
 )
@@ -41,18 +41,8 @@ def _two_exp_combine(a, b):
 
 
 def one_pass_with(combine):
-    """(logsumexp, target logit) in one reduction under `combine`, as the library's one pass."""
-
-    def logsumexp_and_target(logits, targets):
-        wide = logits.astype(F32)
-        picked = jnp.where(_is_target(logits, targets), wide, 0.0)
-        init = (F32(jnp.finfo(F32).min), F32(0), F32(0))
-        top, total, target_logits = jax.lax.reduce(
-            (wide, jnp.ones_like(wide), picked), init, combine, (logits.ndim - 1,)
-        )
-        return top + jnp.log(total), target_logits
-
-    return logsumexp_and_target
+    """(logsumexp, target logit) in the library's one pass, under another combiner."""
+    return functools.partial(_logsumexp_one_pass, combine=combine)
 
 
 def loss_with(logsumexp_and_target):

@@ -153,18 +153,36 @@ def grouped_matmul_swiglu(
 
 
 def interleave_gate_up(
-    w_gate: Float[Array, "*groups k hidden"],
-    w_up: Float[Array, "*groups k hidden"],
+    w_gate: Float[Array, "*lead k hidden"],
+    w_up: Float[Array, "*lead k hidden"],
     config: KernelConfig | None = None,
-) -> Float[Array, "*groups k gate_up"]:
-    """Gate and up weights side by side in blocks of `tile_n // 2` columns (gate block 0, up
-    block 0, gate block 1, ...), the layout `grouped_matmul_swiglu` takes."""
-    *lead, k, hidden = w_gate.shape
+) -> Float[Array, "*lead k gate_up"]:
+    """Gate and up side by side in blocks of `tile_n // 2` columns (gate block 0, up block 0,
+    gate block 1, ...) along the last axis: the weights' layout that `grouped_matmul_swiglu`
+    takes, and the order of its gate-and-up output. `split_gate_up` undoes it."""
+    *lead, hidden = w_gate.shape
+    block = _interleave_block(hidden, config)
+    blocks = [w.reshape(*lead, hidden // block, 1, block) for w in (w_gate, w_up)]
+    return jnp.concatenate(blocks, axis=-2).reshape(*lead, 2 * hidden)
+
+
+def split_gate_up(
+    gate_up: Float[Array, "*lead gate_up"], config: KernelConfig | None = None
+) -> tuple[Float[Array, "*lead hidden"], Float[Array, "*lead hidden"]]:
+    """The gate and up halves of an `interleave_gate_up` layout, each in its own order."""
+    *lead, width = gate_up.shape
+    block = _interleave_block(width // 2, config)
+    pairs = gate_up.reshape(*lead, width // 2 // block, 2, block)
+    return pairs[..., 0, :].reshape(*lead, width // 2), pairs[..., 1, :].reshape(*lead, width // 2)
+
+
+def _interleave_block(hidden: int, config: KernelConfig | None) -> int:
+    """Half a compute warpgroup's tile: the kernel's gate and up blocks (`config`, or the one
+    `config_for` picks for the 2 * hidden output columns)."""
     block = (config or config_for(2 * hidden)).tile_n // 2
     if hidden % block:
-        raise ValueError(f"interleave_gate_up: hidden={hidden} must be a multiple of {block}")
-    blocks = [w.reshape(*lead, k, hidden // block, 1, block) for w in (w_gate, w_up)]
-    return jnp.concatenate(blocks, axis=-2).reshape(*lead, k, 2 * hidden)
+        raise ValueError(f"interleaved gate and up: hidden={hidden} must be a multiple of {block}")
+    return block
 
 
 def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig, swiglu=False):

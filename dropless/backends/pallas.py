@@ -194,15 +194,10 @@ def _swiglu_bwd(res, d_hidden):
     from dropless.backends import mosaic_gmm
 
     rows, w, group_sizes, gate_up = res
-    n_rows, width = gate_up.shape
-    block = mosaic_gmm.config_for(width).tile_n // 2  # the kernel's interleave
-    pairs = gate_up.reshape(n_rows, -1, 2, block).astype(jnp.float32)  # gate i, up i, ...
-    gate, up = pairs[:, :, 0], pairs[:, :, 1]
-    dh = d_hidden.reshape(n_rows, -1, block).astype(jnp.float32)
-    sig = jax.nn.sigmoid(gate)
-    d_up = dh * gate * sig
-    d_gate = dh * up * sig * (1 + gate * (1 - sig))
-    d_gate_up = jnp.stack([d_gate, d_up], axis=2).reshape(n_rows, width).astype(rows.dtype)
+    gate, up = mosaic_gmm.split_gate_up(gate_up.astype(jnp.float32))
+    _, swiglu_vjp = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)
+    d_gate, d_up = swiglu_vjp(d_hidden.astype(jnp.float32))
+    d_gate_up = mosaic_gmm.interleave_gate_up(d_gate, d_up).astype(rows.dtype)
     d_rows = row_op("dgrad", d_gate_up, w, group_sizes, "dropless")
     return d_rows, _weight_grad(rows, d_gate_up, group_sizes, "dropless").astype(w.dtype), None
 

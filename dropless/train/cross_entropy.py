@@ -56,8 +56,9 @@ def _forward(logits, targets):
     return lse - target_logits, (logits, targets, lse)
 
 
-def _logsumexp_one_pass(logits, targets):
-    """(logsumexp, target logit) per position in one variadic reduction."""
+def _logsumexp_one_pass(logits, targets, combine=None):
+    """(logsumexp, target logit) per position in one variadic reduction, whose combiner is
+    `_combine` unless `combine` is given (experiments/bench_cross_entropy.py times others)."""
     # Each element enters as (its value, a sum of one, its value if it is the target's).
     # The initial maximum is the lowest finite float32, not -inf (see `_combine`).
     lowest = jnp.finfo(jnp.float32).min
@@ -65,7 +66,7 @@ def _logsumexp_one_pass(logits, targets):
     wide = logits.astype(jnp.float32)  # fused into the reduction: read once, in any dtype
     picked = jnp.where(_is_target(logits, targets), wide, 0.0)
     top, total, target_logits = jax.lax.reduce(
-        (wide, jnp.ones_like(wide), picked), init, _combine, (logits.ndim - 1,)
+        (wide, jnp.ones_like(wide), picked), init, combine or _combine, (logits.ndim - 1,)
     )
     return top + jnp.log(total), target_logits
 

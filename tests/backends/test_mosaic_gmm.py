@@ -135,7 +135,7 @@ def test_swiglu_kernel_equals_the_matmul_and_its_swiglu_in_the_interpreter(monke
         assert np.abs(got_h - want_h).max() / np.abs(want_h).max() < 1e-2
 
 
-def test_interleave_gate_up_alternates_blocks_of_half_a_tile():
+def test_interleave_gate_up_alternates_blocks_of_half_a_tile_and_splits_back():
     config = mosaic_gmm.KernelConfig(tile_n=4)
     w_gate = jnp.arange(2 * 8, dtype=jnp.float32).reshape(1, 2, 8)
     w_up = -w_gate
@@ -143,8 +143,13 @@ def test_interleave_gate_up_alternates_blocks_of_half_a_tile():
     np.testing.assert_array_equal(
         w[0, 1], [8, 9, -8, -9, 10, 11, -10, -11, 12, 13, -12, -13, 14, 15, -14, -15]
     )
+    gate, up = mosaic_gmm.split_gate_up(w, config)  # the inverse
+    np.testing.assert_array_equal(gate, w_gate)
+    np.testing.assert_array_equal(up, w_up)
     with pytest.raises(ValueError, match="hidden=7 must be a multiple of 2"):
         mosaic_gmm.interleave_gate_up(jnp.zeros((2, 7)), jnp.zeros((2, 7)), config)
+    with pytest.raises(ValueError, match="hidden=7 must be a multiple of 2"):
+        mosaic_gmm.split_gate_up(jnp.zeros((2, 14)), config)
 
 
 def test_a_single_chained_pipeline_runs_unchained(monkeypatch):

@@ -244,10 +244,8 @@ def _reference_kernels(monkeypatch):
 
     def grouped_matmul_swiglu(a, w, s, *, config=None):
         gate_up = pallas.reference_op("fwd", a, w, s).astype(a.dtype)
-        block = mosaic_gmm.config_for(w.shape[2]).tile_n // 2
-        pairs = gate_up.astype(jnp.float32).reshape(a.shape[0], -1, 2, block)
-        hidden = jax.nn.silu(pairs[:, :, 0]) * pairs[:, :, 1]
-        return gate_up, hidden.reshape(a.shape[0], -1).astype(a.dtype)
+        gate, up = mosaic_gmm.split_gate_up(gate_up.astype(jnp.float32), config)
+        return gate_up, (jax.nn.silu(gate) * up).astype(a.dtype)
 
     monkeypatch.setattr(mosaic_gmm, "grouped_matmul", grouped_matmul)
     monkeypatch.setattr(mosaic_gmm, "grouped_weight_grad", grouped_weight_grad)
