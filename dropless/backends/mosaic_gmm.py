@@ -406,18 +406,19 @@ def _epilogue(out_smem, wg, dtype, tile_m: int, tile_n: int, store):
 
 def _swiglu_epilogue(out_smem, wg, dtype, tile_m: int, tile_n: int, store_half, store_hidden):
     """`_epilogue` for `grouped_matmul_swiglu`: the tile's gate and up halves are stored
-    (`store_half(i, half)`), read back to registers, and `silu(gate) * up` is written over the
-    gate half once its store has read it, then stored (`store_hidden`)."""
+    (`store_half(i, half)`); `silu(gate) * up` is computed from the registers while those stores
+    run, then written over the gate half once its store has read it, and stored
+    (`store_hidden`)."""
     half = tile_n // 2
 
     def finish(result):
-        out_smem[wg, 0] = result[:, :half]
-        out_smem[wg, 1] = result[:, half:]
+        gate, up = result[:, :half], result[:, half:]
+        out_smem[wg, 0] = gate
+        out_smem[wg, 1] = up
         plgpu.commit_smem()
         for i in range(2):
             store_half(i, out_smem.at[wg, i])
-        gate = out_smem[wg, 0].astype(jnp.float32)
-        up = out_smem[wg, 1].astype(jnp.float32)
+        gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
         hidden = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         out_smem[wg, 0] = hidden
