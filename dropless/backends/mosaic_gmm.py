@@ -176,6 +176,28 @@ def split_gate_up(
     return pairs[..., 0, :].reshape(*lead, width // 2), pairs[..., 1, :].reshape(*lead, width // 2)
 
 
+def swiglu_grad_interleaved(
+    gate_up: Float[Array, "rows gate_up"],
+    d_hidden: Float[Array, "rows hidden"],
+    config: KernelConfig | None = None,
+) -> Float[Array, "rows gate_up"]:
+    """The gradient of `silu(gate) * up` with respect to an `interleave_gate_up`-ordered
+    `gate_up`, in that order, float32. One elementwise expression over the [rows, blocks, 2,
+    block] view: each element computes its pair's sigmoid and picks its own formula, so XLA
+    fuses it all into one pass. Splitting, differentiating and interleaving again took three
+    kernels and 2.4x the time (docs/benchmarks.md, twenty-first run)."""
+    rows, width = gate_up.shape
+    block = _interleave_block(width // 2, config)
+    pairs = gate_up.reshape(rows, width // 2 // block, 2, block).astype(jnp.float32)
+    gate, up = pairs[:, :, :1], pairs[:, :, 1:]
+    d_out = d_hidden.reshape(rows, width // 2 // block, 1, block).astype(jnp.float32)
+    sigmoid = jax.nn.sigmoid(gate)
+    d_gate = d_out * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))
+    d_up = d_out * gate * sigmoid
+    is_gate = lax.broadcasted_iota(jnp.int32, (1, 1, 2, 1), 2) == 0
+    return jnp.where(is_gate, d_gate, d_up).reshape(rows, width)
+
+
 def _interleave_block(hidden: int, config: KernelConfig | None) -> int:
     """Half a compute warpgroup's tile: the kernel's gate and up blocks (`config`, or the one
     `config_for` picks for the 2 * hidden output columns)."""

@@ -194,10 +194,7 @@ def _swiglu_bwd(res, d_hidden):
     from dropless.backends import mosaic_gmm
 
     rows, w, group_sizes, gate_up = res
-    gate, up = mosaic_gmm.split_gate_up(gate_up.astype(jnp.float32))
-    _, swiglu_vjp = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)
-    d_gate, d_up = swiglu_vjp(d_hidden.astype(jnp.float32))
-    d_gate_up = mosaic_gmm.interleave_gate_up(d_gate, d_up).astype(rows.dtype)
+    d_gate_up = mosaic_gmm.swiglu_grad_interleaved(gate_up, d_hidden).astype(rows.dtype)
     d_rows = row_op("dgrad", d_gate_up, w, group_sizes, "dropless")
     return d_rows, _weight_grad(rows, d_gate_up, group_sizes, "dropless").astype(w.dtype), None
 
