@@ -72,6 +72,9 @@ MODEL_HELP = {
     "chunks never hold the whole float32 logits.",
     "logits_dtype": "What the vocabulary head writes: 'float32' or 'bfloat16' (the loss reduces "
     "in float32 either way).",
+    "moe_weights_before_down": "Routing weights scale the experts' hidden units before the "
+    "down projection, not their outputs (the same function; no expert outputs kept for the "
+    "backward).",
 }
 
 _PRESET_NAMES = tuple(PRESETS)

@@ -35,6 +35,7 @@ class AbstractDispatcher(eqx.Module):
 
     supports_expert_parallel: ClassVar[bool] = False
     requires_gpu: ClassVar[bool] = False
+    supports_row_weights: ClassVar[bool] = False  # implements `_row_weights`
 
     def dispatch(self, x: Float[Array, "tokens dim"], routing: Routing) -> Dispatched:
         if routing.expert_ids.shape[0] != x.shape[0]:
@@ -53,6 +54,22 @@ class AbstractDispatcher(eqx.Module):
             )
         with jax.named_scope("combine"):
             return self._combine(y_rows, dispatched, routing)
+
+    def row_weights(self, dispatched: Dispatched, routing: Routing) -> Float[Array, " rows"]:
+        """Each dispatched row's routing weight (0 for padding rows), for a layer that weights
+        the experts' hidden units instead of their outputs (`MoE(weights_before_down=True)`).
+        Its gradient flows back to `routing.weights`."""
+        if not self.supports_row_weights:
+            raise ValueError(
+                f"{type(self).__name__} cannot give each row its routing weight: "
+                "MoE(weights_before_down=True) needs a dispatcher with supports_row_weights "
+                "(SortDispatcher and its subclasses)"
+            )
+        with jax.named_scope("dispatch"):
+            return self._row_weights(dispatched, routing)
+
+    def _row_weights(self, dispatched: Dispatched, routing: Routing) -> Float[Array, " rows"]:
+        raise NotImplementedError
 
     @abc.abstractmethod
     def _dispatch(self, x: Float[Array, "tokens dim"], routing: Routing) -> Dispatched: ...

@@ -81,8 +81,17 @@ class GroupedExperts(eqx.Module):
         self.gmm = gmm
 
     def __call__(
-        self, rows: Float[Array, "rows dim"], group_sizes: Int[Array, " experts"]
+        self,
+        rows: Float[Array, "rows dim"],
+        group_sizes: Int[Array, " experts"],
+        row_weights: Float[Array, " rows"] | None = None,
     ) -> Float[Array, "rows dim"]:
+        """Each row through its group's expert. `row_weights`: a factor per row applied to the
+        hidden units before the down projection (the same as scaling the output: it is linear
+        in them), in float32, then rounded to the rows' dtype."""
         with jax.named_scope("experts"):
             hidden = self.gmm.gate_up_swiglu(rows, self.w_gate, self.w_up, group_sizes)
+            if row_weights is not None:
+                f32 = jnp.float32
+                hidden = (hidden.astype(f32) * row_weights[:, None].astype(f32)).astype(rows.dtype)
             return self.gmm(hidden, self.w_down.astype(rows.dtype), group_sizes)

@@ -63,12 +63,19 @@ class MoE(eqx.Module):
 
     Every strategy (router top-k, dispatcher, grouped matmul) is swappable with
     `dropless.with_backend` without touching any array.
+
+    `weights_before_down`: each copy's routing weight scales its hidden units, before the
+    experts' down projection, and the combine only sums. The same function (the projection is
+    linear); the combine's backward then needs no expert outputs, so the step neither keeps nor
+    reads them, and the weights' gradient comes from the hidden units instead. The dispatcher
+    must give row weights (`supports_row_weights`: the sort dispatchers).
     """
 
     router: TopKRouter
     experts: GroupedExperts
     shared: SwiGLU | None
     dispatcher: AbstractDispatcher
+    weights_before_down: bool = eqx.field(default=False, static=True)
 
     def __init__(
         self,
@@ -79,6 +86,7 @@ class MoE(eqx.Module):
         n_shared_experts: int = 0,
         dtype=jnp.float32,
         backend="jnp",
+        weights_before_down: bool = False,
         key: PRNGKeyArray,
     ):
         from dropless.backends import get_backend  # the registry imports this module
@@ -109,6 +117,13 @@ class MoE(eqx.Module):
             else None
         )
         self.dispatcher = bundle.dispatcher
+        self.weights_before_down = weights_before_down
+        if weights_before_down and not self.dispatcher.supports_row_weights:
+            raise ValueError(
+                f"MoE: weights_before_down=True needs a dispatcher that gives row weights "
+                f"(supports_row_weights); backend {backend!r} has "
+                f"{type(self.dispatcher).__name__}"
+            )
 
     def __call__(
         self, x: Float[Array, "tokens dim"], *, seq_len: int | None = None
@@ -121,8 +136,15 @@ class MoE(eqx.Module):
             raise ValueError(f"MoE: seq_len ({seq_len}) must be >= 1, or None for one sequence")
         routing = self.router(x)
         dispatched = self.dispatcher.dispatch(x, routing)
-        y_rows = self.experts(dispatched.rows, dispatched.group_sizes)
-        y = self.dispatcher.combine(y_rows, dispatched, routing)
+        if self.weights_before_down:
+            row_weights = self.dispatcher.row_weights(dispatched, routing)
+            y_rows = self.experts(dispatched.rows, dispatched.group_sizes, row_weights)
+            # weights of one: their gradient is unused, and XLA drops the combine's dot products
+            unweighted = eqx.tree_at(lambda r: r.weights, routing, jnp.ones_like(routing.weights))
+            y = self.dispatcher.combine(y_rows, dispatched, unweighted)
+        else:
+            y_rows = self.experts(dispatched.rows, dispatched.group_sizes)
+            y = self.dispatcher.combine(y_rows, dispatched, routing)
         if self.shared is not None:
             y = y + self.shared(x)
         return y, routing_stats(routing, seq_len, dispatched.dropped)

@@ -108,7 +108,9 @@ def bench(
         by_op = _profile.ops_by_scope(all_kernels, hlo)
         for row in scopes[:SCOPES_BY_OP]:
             print_table(by_op[row["scope"]], f"{row['scope']}: kernels by op, layers merged")
-        write_results(profile_to.parent, profile_to.name, scopes + kernels, {"backend": str(backend)})
+        write_results(
+            profile_to.parent, profile_to.name, scopes + kernels, {"backend": str(backend)}
+        )
     return statistics.median(times), float(metrics["loss"])
 
 

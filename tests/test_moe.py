@@ -52,9 +52,9 @@ def moe_case(draw):
     return spec, shared, adversarial, seed
 
 
-def build(spec, shared, adversarial, seed, backend):
+def build(spec, shared, adversarial, seed, backend, **options):
     k_model, k_x = jax.random.split(jax.random.key(seed))
-    moe = MoE(12, 10, spec, n_shared_experts=shared, backend=backend, key=k_model)
+    moe = MoE(12, 10, spec, n_shared_experts=shared, backend=backend, key=k_model, **options)
     if adversarial == "one_expert":  # every token's top choice is the same expert
         moe = eqx.tree_at(lambda m: m.router.w_router, moe, moe.router.w_router.at[1].mul(40.0))
     elif adversarial == "empty_experts":  # the first half of the experts are never chosen
@@ -93,6 +93,35 @@ def test_backend_equals_oracle(backend_name, case):
         assert jnp.isfinite(a).all()
         np.testing.assert_allclose(a, b, **FP32)
     assert jnp.abs(grads[0].router.w_router).sum() > 0  # the router learns through the weights
+
+
+@settings(max_examples=8)
+@given(moe_case())
+def test_weights_before_down_equals_the_oracle(case):
+    """`weights_before_down=True` (the routing weights scale the hidden units, the combine only
+    sums): output and every gradient equal the oracle's, the router's through the experts."""
+    moe, x = build(*case, backend="jnp", weights_before_down=True)
+    probe = jax.random.normal(jax.random.key(7), x.shape)
+    np.testing.assert_allclose(_forward(moe, x, _layer), _forward(moe, x, oracle_moe), **FP32)
+    grads = _grads((moe, x), probe, _layer)
+    ref = _grads((moe, x), probe, oracle_moe)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, **FP32)
+    assert jnp.abs(grads[0].router.w_router).sum() > 0
+
+
+class _NoRowWeights(SortDispatcher):
+    supports_row_weights = False
+
+
+def test_weights_before_down_needs_row_weights():
+    spec = SPECS[0][0]
+    plain = Backend(dispatcher=_NoRowWeights(), gmm=ChunkedGroupedMatmul())
+    with pytest.raises(ValueError, match="weights_before_down=True needs a dispatcher"):
+        MoE(12, 10, spec, backend=plain, weights_before_down=True, key=jax.random.key(0))
+    moe = with_backend(MoE(12, 10, spec, weights_before_down=True, key=jax.random.key(0)), plain)
+    with pytest.raises(ValueError, match="_NoRowWeights cannot give each row its routing weight"):
+        moe(jnp.ones((4, 12)))
 
 
 def test_stats_and_nothing_dropped():

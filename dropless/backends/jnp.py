@@ -15,7 +15,7 @@
 
 import functools
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -199,6 +199,8 @@ class SortDispatcher(AbstractDispatcher):
     row movements are `_expand_rows` and `_combine_rows`, which a subclass may replace with
     kernels of the same values (`dropless.backends.row_gather`)."""
 
+    supports_row_weights: ClassVar[bool] = True
+
     def _dispatch(self, x, routing):
         n_experts = routing.scores.shape[-1]
         flat_ids = routing.expert_ids.reshape(-1)
@@ -211,6 +213,11 @@ class SortDispatcher(AbstractDispatcher):
     def _combine(self, y_rows, dispatched, routing):
         plan = dispatched.plan
         return self._combine_rows(y_rows, routing.weights, plan.order, plan.inverse)
+
+    def _row_weights(self, dispatched, routing):
+        plan = dispatched.plan
+        weights = routing.weights.reshape(-1, 1)
+        return permute_rows(weights, plan.order, plan.inverse)[:, 0]
 
     def _expand_rows(self, x, order, inverse):
         return expand_rows(x, order, inverse)

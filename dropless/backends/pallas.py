@@ -206,9 +206,9 @@ class PallasGroupedMatmul(AbstractGroupedMatmul):
     """Grouped GEMM on Mosaic GPU kernels (Hopper, bf16/fp16), with an exact custom VJP.
     `kernels`: "dropless" (ours, faster with many experts) or "jax" (JAX's, for comparison).
     `fallback`: the strategy for expert widths the kernels cannot tile (not multiples of 128);
-    without one, such widths raise. `fused_swiglu` (opt-in until timed on an H200; docs/design.md): the
-    experts' gate-and-up matmul computes its SwiGLU in the kernel's epilogue
-    (`pallas_gate_up_swiglu`; our kernels only)."""
+    without one, such widths raise. `fused_swiglu` (opt-in until timed on an H200;
+    docs/design.md): the experts' gate-and-up matmul computes its SwiGLU in the kernel's
+    epilogue (`pallas_gate_up_swiglu`; our kernels only)."""
 
     requires_gpu: ClassVar[bool] = True
     compute_dtype: str = eqx.field(default="bfloat16", static=True)

@@ -123,7 +123,7 @@ def test_choices(field, value):
     "field, value, rule",
     [("n_routed_experts", 16.0, "an int"), ("q_lora_rank", 8.0, "an int or None"),
      ("rms_norm_eps", "small", "a number"), ("unroll_layers", 1, "True or False"),
-     ("loss_chunk", 2.5, "an int or None")],
+     ("loss_chunk", 2.5, "an int or None"), ("moe_weights_before_down", "yes", "True or False")],
 )  # fmt: skip
 def test_field_kinds(field, value, rule):
     # set past the constructor: the tests' runtime type checks would reject the value first,

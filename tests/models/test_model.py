@@ -242,6 +242,16 @@ def test_unrolled_layers_keep_values_and_gradients(remat, model, tokens, value_a
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_weights_before_down_keeps_values_and_gradients(model, tokens, value_and_grad):
+    config = model.config.replace(moe_weights_before_down=True)
+    early = DeepSeekV3(config, key=jax.random.key(0))
+    assert early.moe_layers.mlp.weights_before_down  # the setting reaches the layers
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(early, tokens)
+    np.testing.assert_allclose(loss, value_and_grad[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(value_and_grad[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_bf16_compute_fp32_params(model, tokens, forward):
     bf16 = DeepSeekV3(model.config.replace(compute_dtype="bfloat16"), key=jax.random.key(0))
     assert bf16.moe_layers.mlp.experts.w_gate.dtype == jnp.float32

@@ -2,8 +2,8 @@
 float32 logits (the default), bfloat16 logits, bfloat16 logits with the experts' SwiGLU fused
 into the gate-and-up kernel (`PallasGroupedMatmul(fused_swiglu=True)`), and bfloat16 logits
 with each tile candidate named (tune_mosaic.py's names) in place of `config_for`'s tiles.
-Arguments: batch (24), rounds (2), variants (comma-separated of f32, bf16, fused, or a tile
-candidate's name; default "f32,bf16,fused"). JAX's persistent compilation cache is on, so a
+Arguments: batch (24), rounds (2), variants (comma-separated names of `OPTIONS` or of tile
+candidates; default "f32,bf16,fused"). JAX's persistent compilation cache is on, so a
 later round reloads each variant's step instead of compiling it again. Run from experiments/
 with it on PYTHONPATH. Written for the twenty-first run."""
 
@@ -35,7 +35,15 @@ def pallas(fused: bool) -> Backend:
     return Backend(dispatcher=SortDispatcher(), gmm=gmm, topk=JnpTopK())
 
 
-OPTIONS = {"f32": {}, "bf16": {"set": bf16}, "fused": {"set": bf16, "backend": pallas(True)}}
+OPTIONS = {
+    "f32": {},
+    "bf16": {"set": bf16},
+    "fused": {"set": bf16, "backend": pallas(True)},
+    # written after the run's calls, for the next: float32 logits (the default) with the fused
+    # SwiGLU, and the routing weights before the down projection
+    "fused32": {"backend": pallas(True)},
+    "early": {"set": ["moe_weights_before_down=true"]},
+}
 
 
 def run(name: str, round_: int):

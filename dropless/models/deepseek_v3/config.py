@@ -28,6 +28,7 @@ DROPLESS_FIELDS = (
     "unroll_layers",
     "loss_chunk",
     "logits_dtype",
+    "moe_weights_before_down",
 )
 
 # A `model_type: deepseek_v2` config.json leaves these at DeepSeek-V2's defaults, not V3's.
@@ -58,7 +59,9 @@ class DeepSeekV3Config:
     (None, or positions per chunk of the training loss's vocabulary head: the loss then makes
     the logits and their gradient chunk by chunk, `dropless.train.head_cross_entropy`) and
     `logits_dtype` ("float32" | "bfloat16": what the vocabulary head's matmul writes, its
-    accumulation float32 either way; the cross-entropy reduces in float32 either way).
+    accumulation float32 either way; the cross-entropy reduces in float32 either way) and
+    `moe_weights_before_down` (the routing weights scale the experts' hidden units before the
+    down projection instead of their outputs: `MoE(weights_before_down=True)`).
     Training knobs (loss weights, bias update rate) live in `dropless.train.TrainConfig`.
     """
 
@@ -100,6 +103,7 @@ class DeepSeekV3Config:
     unroll_layers: bool = False
     loss_chunk: int | None = None
     logits_dtype: str = "float32"
+    moe_weights_before_down: bool = False
 
     def __post_init__(self):
         if self.rope_scaling is not None:  # a private copy: the caller's dict may change later

@@ -69,6 +69,7 @@ def make_block(
             n_shared_experts=c.n_shared_experts,
             dtype=dt,
             backend=backend,
+            weights_before_down=c.moe_weights_before_down,
             key=k_mlp,
         )
     else:
