@@ -56,6 +56,31 @@ class AbstractGroupedMatmul(eqx.Module):
         return swiglu(self(rows, gate_up(w_gate, w_up, rows.dtype), group_sizes))
 
 
+@jax.custom_vjp
+def scale_rows(
+    x: Float[Array, "rows width"], scale: Float[Array, " rows"]
+) -> Float[Array, "rows width"]:
+    """`x[r] * scale[r]` in float32, rounded to `x`'s dtype. The backward keeps `x` as it is:
+    autodiff of the same expression would keep a float32 copy of it (twice the bytes of a
+    bf16 `x`, a `[rows hidden]` array per MoE layer)."""
+    return (x.astype(jnp.float32) * scale[:, None].astype(jnp.float32)).astype(x.dtype)
+
+
+def _scale_rows_fwd(x, scale):
+    return scale_rows(x, scale), (x, scale)
+
+
+def _scale_rows_bwd(res, g):
+    x, scale = res
+    g = g.astype(jnp.float32)
+    d_x = (g * scale[:, None].astype(jnp.float32)).astype(x.dtype)
+    d_scale = jnp.sum(g * x.astype(jnp.float32), axis=1).astype(scale.dtype)
+    return d_x, d_scale
+
+
+scale_rows.defvjp(_scale_rows_fwd, _scale_rows_bwd)
+
+
 class GroupedExperts(eqx.Module):
     """SwiGLU experts with weights in one canonical layout, whatever the strategy."""
 
@@ -92,6 +117,5 @@ class GroupedExperts(eqx.Module):
         with jax.named_scope("experts"):
             hidden = self.gmm.gate_up_swiglu(rows, self.w_gate, self.w_up, group_sizes)
             if row_weights is not None:
-                f32 = jnp.float32
-                hidden = (hidden.astype(f32) * row_weights[:, None].astype(f32)).astype(rows.dtype)
+                hidden = scale_rows(hidden, row_weights)
             return self.gmm(hidden, self.w_down.astype(rows.dtype), group_sizes)
