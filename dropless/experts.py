@@ -49,11 +49,14 @@ class AbstractGroupedMatmul(eqx.Module):
         w_gate: Float[Array, "experts dim hidden"],
         w_up: Float[Array, "experts dim hidden"],
         group_sizes: Int[Array, " experts"],
+        row_scale: Float[Array, " rows"] | None = None,
     ) -> Float[Array, "rows hidden"]:
-        """silu(rows @ w_gate[e]) * (rows @ w_up[e]) per group, the weights cast to the rows'
-        dtype: one grouped matmul over the weights side by side, then the SwiGLU. A strategy
-        may fuse the two."""
-        return swiglu(self(rows, gate_up(w_gate, w_up, rows.dtype), group_sizes))
+        """silu(rows @ w_gate[e]) * (rows @ w_up[e]) per group (times `row_scale[r]` per row,
+        if given), the weights cast to the rows' dtype: one grouped matmul over the weights
+        side by side, then the SwiGLU (`swiglu_scaled` with a scale). A strategy may fuse the
+        two."""
+        gate_and_up = self(rows, gate_up(w_gate, w_up, rows.dtype), group_sizes)
+        return swiglu(gate_and_up) if row_scale is None else swiglu_scaled(gate_and_up, row_scale)
 
 
 @jax.custom_vjp
@@ -79,6 +82,37 @@ def _scale_rows_bwd(res, g):
 
 
 scale_rows.defvjp(_scale_rows_fwd, _scale_rows_bwd)
+
+
+@jax.custom_vjp
+def swiglu_scaled(
+    gate_and_up: Float[Array, "rows gate_up"], scale: Float[Array, " rows"]
+) -> Float[Array, "rows hidden"]:
+    """`swiglu(gate_and_up) * scale[:, None]`, in float32, rounded to the input's dtype. The
+    backward keeps only the inputs: it recomputes the SwiGLU for the scale's gradient, in the
+    same elementwise pass that takes the input's, so no `[rows hidden]` array is kept for it."""
+    gate, up = (h.astype(jnp.float32) for h in jnp.split(gate_and_up, 2, axis=-1))
+    return (jax.nn.silu(gate) * up * scale[:, None].astype(jnp.float32)).astype(gate_and_up.dtype)
+
+
+def _swiglu_scaled_fwd(gate_and_up, scale):
+    return swiglu_scaled(gate_and_up, scale), (gate_and_up, scale)
+
+
+def _swiglu_scaled_bwd(res, d_out):
+    gate_and_up, scale = res
+    gate, up = (h.astype(jnp.float32) for h in jnp.split(gate_and_up, 2, axis=-1))
+    d_out = d_out.astype(jnp.float32)
+    sigmoid = jax.nn.sigmoid(gate)
+    silu = gate * sigmoid
+    d_scale = jnp.sum(silu * up * d_out, axis=-1).astype(scale.dtype)
+    d_hidden = d_out * scale[:, None].astype(jnp.float32)
+    d_gate = d_hidden * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))
+    d_gate_and_up = jnp.concatenate([d_gate, d_hidden * silu], axis=-1)
+    return d_gate_and_up.astype(gate_and_up.dtype), d_scale
+
+
+swiglu_scaled.defvjp(_swiglu_scaled_fwd, _swiglu_scaled_bwd)
 
 
 class GroupedExperts(eqx.Module):
@@ -115,7 +149,7 @@ class GroupedExperts(eqx.Module):
         hidden units before the down projection (the same as scaling the output: it is linear
         in them), in float32, then rounded to the rows' dtype."""
         with jax.named_scope("experts"):
-            hidden = self.gmm.gate_up_swiglu(rows, self.w_gate, self.w_up, group_sizes)
-            if row_weights is not None:
-                hidden = scale_rows(hidden, row_weights)
+            hidden = self.gmm.gate_up_swiglu(
+                rows, self.w_gate, self.w_up, group_sizes, row_scale=row_weights
+            )
             return self.gmm(hidden, self.w_down.astype(rows.dtype), group_sizes)

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dropless.backends.jnp import ChunkedGroupedMatmul
-from dropless.experts import GroupedExperts, scale_rows
+from dropless.experts import GroupedExperts, scale_rows, swiglu_scaled
+from dropless.nn.mlp import swiglu
 
 FP32 = dict(rtol=2e-5, atol=2e-5)
 
@@ -58,3 +59,19 @@ def test_scale_rows_values_gradients_and_residuals():
     _, vjp = jax.vjp(scale_rows, x.astype(jnp.bfloat16), scale)
     kept = [(leaf.dtype, leaf.shape) for leaf in jax.tree.leaves(vjp)]
     assert (jnp.bfloat16, (24, 8)) in kept and (jnp.float32, (24, 8)) not in kept
+
+
+def test_swiglu_scaled_values_gradients_and_residuals():
+    """`swiglu_scaled` equals autodiff of `swiglu(x) * scale` with float32 inputs (gate and up
+    swapped would fail), and its backward keeps only its inputs: no `[rows hidden]` array."""
+    keys = jax.random.split(jax.random.key(1), 3)
+    gate_and_up = 2.0 * jax.random.normal(keys[0], (24, 16))
+    scale = jax.random.uniform(keys[1], (24,))
+    g = jax.random.normal(keys[2], (24, 8))
+    out, vjp = jax.vjp(swiglu_scaled, gate_and_up, scale)
+    want, want_vjp = jax.vjp(lambda h, s: swiglu(h) * s[:, None], gate_and_up, scale)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-7)
+    for a, b in zip(vjp(g), want_vjp(g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    kept = [leaf.shape for leaf in jax.tree.leaves(jax.vjp(swiglu_scaled, gate_and_up, scale)[1])]
+    assert (24, 16) in kept and (24, 8) not in kept

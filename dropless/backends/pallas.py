@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from dropless.backends import Backend, BackendUnavailableError, _is_hopper
 from dropless.backends.jnp import CapacityGroupedMatmul, SortDispatcher
-from dropless.experts import AbstractGroupedMatmul
+from dropless.experts import AbstractGroupedMatmul, scale_rows
 from dropless.routing import JnpTopK
 
 
@@ -249,16 +249,18 @@ class PallasGroupedMatmul(AbstractGroupedMatmul):
         )
         return out.astype(lhs.dtype)
 
-    def gate_up_swiglu(self, rows, w_gate, w_up, group_sizes):
+    def gate_up_swiglu(self, rows, w_gate, w_up, group_sizes, row_scale=None):
         from dropless.backends import mosaic_gmm
 
         dim, hidden = w_gate.shape[1:]
         config = mosaic_gmm.config_for(2 * hidden)
         if not self.fused_swiglu or not mosaic_gmm.matmul_fits(dim, 2 * hidden, config):
-            return super().gate_up_swiglu(rows, w_gate, w_up, group_sizes)
+            return super().gate_up_swiglu(rows, w_gate, w_up, group_sizes, row_scale)
         dt = jnp.dtype(self.compute_dtype)
         w = mosaic_gmm.interleave_gate_up(w_gate, w_up, config).astype(dt)
         hidden_rows = pallas_gate_up_swiglu(rows.astype(dt), w, group_sizes.astype(jnp.int32))
+        if row_scale is not None:  # a pass of its own: the kernel's epilogue does not scale
+            hidden_rows = scale_rows(hidden_rows, row_scale)
         return hidden_rows.astype(rows.dtype)
 
 

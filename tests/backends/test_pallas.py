@@ -252,11 +252,13 @@ def _reference_kernels(monkeypatch):
     monkeypatch.setattr(mosaic_gmm, "grouped_matmul_swiglu", grouped_matmul_swiglu)
 
 
-def test_fused_swiglu_equals_the_matmul_then_swiglu_with_gradients(monkeypatch):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_fused_swiglu_equals_the_matmul_then_swiglu_with_gradients(monkeypatch, scaled):
     """`PallasGroupedMatmul(fused_swiglu=True)`: the experts' SwiGLU from the fused kernel
     (here its reference) equals the plain strategy's matmul-then-SwiGLU, in value and in the
-    gradients of the rows and both weights, on uneven groups with an empty one: the custom
-    VJP's de-interleaving, SwiGLU gradient and kernel calls are checked on the CPU."""
+    gradients of the rows and both weights (and of the rows' scale, `scaled`), on uneven
+    groups with an empty one: the custom VJP's de-interleaving, SwiGLU gradient and kernel
+    calls are checked on the CPU."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -267,15 +269,18 @@ def test_fused_swiglu_equals_the_matmul_then_swiglu_with_gradients(monkeypatch):
     rows = jax.random.normal(keys[0], (200, 256)).astype(jnp.bfloat16)  # 256: our wgrad's rows
     w_gate, w_up = (jax.random.normal(k, (4, 256, 256)) / 16 for k in keys[1:3])
     d_hidden = jax.random.normal(keys[3], (200, 256))
+    scale = jax.random.uniform(keys[3], (200,), minval=0.5, maxval=2.0)
 
-    def loss(strategy, rows, w_gate, w_up):
-        hidden = strategy.gate_up_swiglu(rows, w_gate, w_up, sizes)
+    def loss(strategy, rows, w_gate, w_up, scale):
+        row_scale = scale if scaled else None
+        hidden = strategy.gate_up_swiglu(rows, w_gate, w_up, sizes, row_scale=row_scale)
         assert hidden.dtype == rows.dtype and hidden.shape == (200, 256)
         return jnp.sum(hidden.astype(jnp.float32) * d_hidden)
 
-    grads = jax.value_and_grad(loss, argnums=(1, 2, 3))
-    got = grads(pallas.PallasGroupedMatmul(fused_swiglu=True), rows, w_gate, w_up)
-    want = grads(pallas.PallasGroupedMatmul(), rows, w_gate, w_up)
+    grads = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))
+    got = grads(pallas.PallasGroupedMatmul(fused_swiglu=True), rows, w_gate, w_up, scale)
+    want = grads(pallas.PallasGroupedMatmul(), rows, w_gate, w_up, scale)
+    assert (np.abs(np.asarray(want[1][3])).sum() > 0) == scaled
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)  # bf16 compute either way
