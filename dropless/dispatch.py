@@ -35,7 +35,7 @@ class AbstractDispatcher(eqx.Module):
 
     supports_expert_parallel: ClassVar[bool] = False
     requires_gpu: ClassVar[bool] = False
-    supports_row_weights: ClassVar[bool] = False  # implements `_row_weights`
+    supports_row_weights: ClassVar[bool] = False  # implements `_row_weights`, `_sum_copies`
 
     def dispatch(self, x: Float[Array, "tokens dim"], routing: Routing) -> Dispatched:
         if routing.expert_ids.shape[0] != x.shape[0]:
@@ -55,20 +55,40 @@ class AbstractDispatcher(eqx.Module):
         with jax.named_scope("combine"):
             return self._combine(y_rows, dispatched, routing)
 
+    # For a layer that weights the experts' hidden units instead of their outputs
+    # (`MoE(weights_before_down=True)`): dispatchers with `supports_row_weights` give each row
+    # its copy's routing weight, and combine without weights.
+
     def row_weights(self, dispatched: Dispatched, routing: Routing) -> Float[Array, " rows"]:
-        """Each dispatched row's routing weight (0 for padding rows), for a layer that weights
-        the experts' hidden units instead of their outputs (`MoE(weights_before_down=True)`).
-        Its gradient flows back to `routing.weights`."""
+        """Each dispatched row's routing weight (0 for padding rows), differentiable in
+        `routing.weights`."""
+        self._check_row_weights()
+        with jax.named_scope("dispatch"):
+            return self._row_weights(dispatched, routing)
+
+    def sum_copies(
+        self, y_rows: Float[Array, "rows dim"], dispatched: Dispatched, routing: Routing
+    ) -> Float[Array, "tokens dim"]:
+        """`combine` with every weight 1: each token's k rows summed. It keeps no rows for its
+        backward, where `combine` keeps them for the weights' gradient."""
+        self._check_row_weights()
+        with jax.named_scope("combine"):
+            return self._sum_copies(y_rows, dispatched, routing)
+
+    def _check_row_weights(self) -> None:
         if not self.supports_row_weights:
             raise ValueError(
                 f"{type(self).__name__} cannot give each row its routing weight: "
                 "MoE(weights_before_down=True) needs a dispatcher with supports_row_weights "
                 "(SortDispatcher and its subclasses)"
             )
-        with jax.named_scope("dispatch"):
-            return self._row_weights(dispatched, routing)
 
     def _row_weights(self, dispatched: Dispatched, routing: Routing) -> Float[Array, " rows"]:
+        raise NotImplementedError
+
+    def _sum_copies(
+        self, y_rows: Float[Array, "rows dim"], dispatched: Dispatched, routing: Routing
+    ) -> Float[Array, "tokens dim"]:
         raise NotImplementedError
 
     @abc.abstractmethod

@@ -139,9 +139,7 @@ class MoE(eqx.Module):
         if self.weights_before_down:
             row_weights = self.dispatcher.row_weights(dispatched, routing)
             y_rows = self.experts(dispatched.rows, dispatched.group_sizes, row_weights)
-            # weights of one: their gradient is unused, and XLA drops the combine's dot products
-            unweighted = eqx.tree_at(lambda r: r.weights, routing, jnp.ones_like(routing.weights))
-            y = self.dispatcher.combine(y_rows, dispatched, unweighted)
+            y = self.dispatcher.sum_copies(y_rows, dispatched, routing)
         else:
             y_rows = self.experts(dispatched.rows, dispatched.group_sizes)
             y = self.dispatcher.combine(y_rows, dispatched, routing)

@@ -511,3 +511,20 @@ def test_swiglu_epilogue_bench_in_the_interpreter(tmp_path, monkeypatch):
     assert [r["case"] for r in rows] == ["128x64@3x40"]
     assert rows[0]["separate ms"] > 0 and rows[0]["fused ms"] > 0 and rows[0]["rel diff"] < 1e-2
     assert (tmp_path / "swiglu_epilogue.json").exists()
+
+
+def test_weights_before_down_bench_keeps_less(tmp_path, monkeypatch):
+    """bench_weights_before_down on the CPU (a small float32 layer): both settings compiled and
+    timed, and with the weights before the down projection JAX keeps less for the backward
+    (no expert outputs: [rows dim] less, rows = tokens * k), with the ratio."""
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    bench = load("bench_weights_before_down")
+    argv = ["--tokens", "1024", "--dim", "128", "--hidden", "64", "--experts", "8", "--k", "4"]
+    rows = bench.main([*argv, "--backend", "jnp", "--dtype", "float32", "--repeats", "1"]
+                      + ["--out", str(tmp_path)])  # fmt: skip
+    assert [r["weights"] for r in rows] == ["on the outputs", "before the down projection"]
+    assert all(r["fwd+bwd ms"] > 0 for r in rows)
+    saved = (rows[0]["kept MiB"] - rows[1]["kept MiB"]) * 2**20
+    assert saved >= 1024 * 4 * 128 * 4  # at least the float32 expert outputs
+    assert rows[1]["kept MiB / default"] < 1.0
+    assert (tmp_path / "weights_before_down.json").exists()

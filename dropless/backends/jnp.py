@@ -112,6 +112,31 @@ def _expand_bwd(res, g):
 expand_rows.defvjp(_expand_fwd, _expand_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def sum_copies(
+    y_rows: Float[Array, "copies dim"],
+    order: Int[Array, " copies"],
+    inverse: Int[Array, " copies"],
+    k: int,
+) -> Float[Array, "tokens dim"]:
+    """y[t] = sum_j y_rows[inverse[t*k + j]], summed in float32 and returned in y_rows' dtype:
+    `combine_rows` without weights (`expand_rows` transposed). Its backward is the gather
+    `dy[order // k]`, and it keeps no rows for it."""
+    return _gather_sum(y_rows, inverse.reshape(-1, k)).astype(y_rows.dtype)
+
+
+def _sum_copies_fwd(y_rows, order, inverse, k):
+    return sum_copies(y_rows, order, inverse, k), (order, inverse)
+
+
+def _sum_copies_bwd(k, res, dy):
+    order, _ = res
+    return dy[order // k], None, None
+
+
+sum_copies.defvjp(_sum_copies_fwd, _sum_copies_bwd)
+
+
 @jax.custom_vjp
 def combine_rows(
     y_rows: Float[Array, "copies dim"],
@@ -218,6 +243,10 @@ class SortDispatcher(AbstractDispatcher):
         plan = dispatched.plan
         weights = routing.weights.reshape(-1, 1)
         return permute_rows(weights, plan.order, plan.inverse)[:, 0]
+
+    def _sum_copies(self, y_rows, dispatched, routing):
+        plan = dispatched.plan
+        return sum_copies(y_rows, plan.order, plan.inverse, routing.expert_ids.shape[1])
 
     def _expand_rows(self, x, order, inverse):
         return expand_rows(x, order, inverse)

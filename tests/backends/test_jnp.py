@@ -16,6 +16,7 @@ from dropless.backends.jnp import (
     _sort_by_expert,
     combine_rows,
     expand_rows,
+    sum_copies,
 )
 from dropless.backends.oracle import OneHotGroupedMatmul
 
@@ -61,6 +62,22 @@ def test_expand_and_combine_match_plain_gathers(dim):
     ]
     for a, b in zip(*grads, strict=True):
         np.testing.assert_allclose(a, b, **FP32)
+
+
+def test_sum_copies_is_combine_with_weights_of_one_and_keeps_no_rows():
+    """`sum_copies` equals `combine_rows` with every weight 1, in value and in the rows'
+    gradient, and its backward keeps only the permutation (no `[copies dim]` rows)."""
+    tokens, k, dim = 9, 3, 12
+    _, order, inverse = plan(tokens, k, 5, seed=1)
+    rows = jax.random.normal(jax.random.key(2), (tokens * k, dim))
+    probe = jax.random.normal(jax.random.key(3), (tokens, dim))
+    ones = jnp.ones((tokens, k))
+    ours, vjp = jax.vjp(lambda r: sum_copies(r, order, inverse, k), rows)
+    want, want_vjp = jax.vjp(lambda r: combine_rows(r, ones, order, inverse), rows)
+    np.testing.assert_allclose(ours, want, **FP32)
+    np.testing.assert_allclose(vjp(probe)[0], want_vjp(probe)[0], **FP32)
+    kept = [leaf.shape for leaf in jax.tree.leaves(vjp)]
+    assert (tokens * k, dim) not in kept and (tokens * k,) in kept
 
 
 def test_bf16_combine_sums_in_float32_and_gathers_its_cotangent_in_bf16():
