@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.backends import BackendUnavailableError, with_backend
+from dropless.backends import Backend, BackendUnavailableError, with_backend
 from dropless.backends.jnp import SortDispatcher
 from dropless.backends.oracle import OneHotGroupedMatmul, oracle_moe
 from dropless.moe import MoE
@@ -175,6 +175,20 @@ def test_moe_layer_equals_oracle(backend):
     spec = SPECS[0]
     moe = MoE(256, 128, spec, n_shared_experts=1, key=jax.random.key(0))
     _check_layer_against_oracle(with_backend(moe, backend))
+
+
+@pytest.mark.parametrize("fused_swiglu", [False, True])
+def test_pallas_moe_layer_with_weights_before_down_equals_oracle(fused_swiglu):
+    """`MoE(weights_before_down=True)` on our kernels, with and without the fused SwiGLU (whose
+    output is scaled in a pass of its own)."""
+    from dropless.backends.pallas import PallasGroupedMatmul
+
+    load("pallas")
+    moe = MoE(
+        256, 128, SPECS[0], n_shared_experts=1, weights_before_down=True, key=jax.random.key(0)
+    )
+    gmm = PallasGroupedMatmul(fused_swiglu=fused_swiglu)
+    _check_layer_against_oracle(with_backend(moe, Backend(dispatcher=SortDispatcher(), gmm=gmm)))
 
 
 @pytest.mark.parametrize("dims", [(256, 128), (192, 96)], ids=["tileable", "untileable"])
