@@ -14,6 +14,7 @@ if not os.path.exists("/dev/nvidia0"):
 os.environ.setdefault("XLA_FLAGS", _FLAGS)
 
 import contextlib  # noqa: E402
+import gc  # noqa: E402
 
 # Transformer Engine must load its CUDA libraries (cuDNN) before JAX initialises its GPU backend,
 # or the two can pick up mismatched cuDNN builds; importing it is cheap and harmless elsewhere.
@@ -43,6 +44,18 @@ settings.load_profile(os.environ.get("DROPLESS_HYPOTHESIS_PROFILE", "ci"))
 # No persistent compilation cache: with jax 0.10.2 on the CPU, test workers segfaulted inside
 # XLA while reading an executable from it (two clean-clone CI runs, 2026-12-05) and while
 # serialising one into it (`put_executable_and_time`, a local run the same day).
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module. On the CPU each one holds memory
+    mappings of its machine code, and a test worker that keeps them all passes the kernel's
+    65,530 mappings per process (`vm.max_map_count`) before the suite ends: XLA then aborts
+    inside a compilation (two clean-clone CI runs, 2026-12-05, in different tests; one worker
+    held 27,000 mappings after 3.5 minutes of tests)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def has_gpu() -> bool:
