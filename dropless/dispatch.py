@@ -62,7 +62,7 @@ class AbstractDispatcher(eqx.Module):
     def row_weights(self, dispatched: Dispatched, routing: Routing) -> Float[Array, " rows"]:
         """Each dispatched row's routing weight (0 for padding rows), differentiable in
         `routing.weights`."""
-        self._check_row_weights()
+        self.require_row_weights()
         with jax.named_scope("dispatch"):
             return self._row_weights(dispatched, routing)
 
@@ -71,15 +71,16 @@ class AbstractDispatcher(eqx.Module):
     ) -> Float[Array, "tokens dim"]:
         """`combine` with every weight 1: each token's k rows summed. It keeps no rows for its
         backward, where `combine` keeps them for the weights' gradient."""
-        self._check_row_weights()
+        self.require_row_weights()
         with jax.named_scope("combine"):
             return self._sum_copies(y_rows, dispatched, routing)
 
-    def _check_row_weights(self) -> None:
+    def require_row_weights(self) -> None:
+        """Raises ValueError, naming this dispatcher, unless it gives row weights."""
         if not self.supports_row_weights:
             raise ValueError(
                 f"{type(self).__name__} cannot give each row its routing weight: "
-                "MoE(weights_before_down=True) needs a dispatcher with supports_row_weights "
+                "an MoE with weights_before_down=True needs a dispatcher with supports_row_weights "
                 "(SortDispatcher and its subclasses)"
             )
 

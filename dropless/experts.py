@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from dropless.nn.mlp import gate_up, init_linear, swiglu
+from dropless.nn.mlp import gate_up, init_linear, swiglu, swiglu_grad
 
 
 class AbstractGroupedMatmul(eqx.Module):
@@ -103,12 +103,9 @@ def _swiglu_scaled_bwd(res, d_out):
     gate_and_up, scale = res
     gate, up = (h.astype(jnp.float32) for h in jnp.split(gate_and_up, 2, axis=-1))
     d_out = d_out.astype(jnp.float32)
-    sigmoid = jax.nn.sigmoid(gate)
-    silu = gate * sigmoid
-    d_scale = jnp.sum(silu * up * d_out, axis=-1).astype(scale.dtype)
-    d_hidden = d_out * scale[:, None].astype(jnp.float32)
-    d_gate = d_hidden * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))
-    d_gate_and_up = jnp.concatenate([d_gate, d_hidden * silu], axis=-1)
+    d_scale = jnp.sum(jax.nn.silu(gate) * up * d_out, axis=-1).astype(scale.dtype)
+    d_gate, d_up = swiglu_grad(gate, up, d_out * scale[:, None].astype(jnp.float32))
+    d_gate_and_up = jnp.concatenate([d_gate, d_up], axis=-1)
     return d_gate_and_up.astype(gate_and_up.dtype), d_scale
 
 

@@ -118,12 +118,8 @@ class MoE(eqx.Module):
         )
         self.dispatcher = bundle.dispatcher
         self.weights_before_down = weights_before_down
-        if weights_before_down and not self.dispatcher.supports_row_weights:
-            raise ValueError(
-                f"MoE: weights_before_down=True needs a dispatcher that gives row weights "
-                f"(supports_row_weights); backend {backend!r} has "
-                f"{type(self.dispatcher).__name__}"
-            )
+        if weights_before_down:  # here as well as at the call: say so before any tracing
+            self.dispatcher.require_row_weights()
 
     def __call__(
         self, x: Float[Array, "tokens dim"], *, seq_len: int | None = None

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
+from dropless.nn.mlp import swiglu_grad
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
@@ -191,9 +193,7 @@ def swiglu_grad_interleaved(
     pairs = gate_up.reshape(rows, width // 2 // block, 2, block).astype(jnp.float32)
     gate, up = pairs[:, :, :1], pairs[:, :, 1:]
     d_out = d_hidden.reshape(rows, width // 2 // block, 1, block).astype(jnp.float32)
-    sigmoid = jax.nn.sigmoid(gate)
-    d_gate = d_out * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))
-    d_up = d_out * gate * sigmoid
+    d_gate, d_up = swiglu_grad(gate, up, d_out)
     is_gate = lax.broadcasted_iota(jnp.int32, (1, 1, 2, 1), 2) == 0
     return jnp.where(is_gate, d_gate, d_up).reshape(rows, width)
 

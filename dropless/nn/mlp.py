@@ -46,3 +46,11 @@ def swiglu(gate_and_up: Float[Array, "*batch gate_up"]) -> Float[Array, "*batch 
     """silu(gate) * up from the output of a `gate_up` matmul."""
     gate, up = jnp.split(gate_and_up, 2, axis=-1)
     return jax.nn.silu(gate) * up
+
+
+def swiglu_grad(gate: Array, up: Array, d_out: Array) -> tuple[Array, Array]:
+    """The gradients of `silu(gate) * up` for the output's gradient `d_out`, elementwise (the
+    three broadcast together), in their dtype: for hand-written backwards that lay out or
+    scale gate and up their own way."""
+    sigmoid = jax.nn.sigmoid(gate)
+    return d_out * up * sigmoid * (1.0 + gate * (1.0 - sigmoid)), d_out * gate * sigmoid
