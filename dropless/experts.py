@@ -60,31 +60,6 @@ class AbstractGroupedMatmul(eqx.Module):
 
 
 @jax.custom_vjp
-def scale_rows(
-    x: Float[Array, "rows width"], scale: Float[Array, " rows"]
-) -> Float[Array, "rows width"]:
-    """`x[r] * scale[r]` in float32, rounded to `x`'s dtype. The backward keeps `x` as it is:
-    autodiff of the same expression would keep a float32 copy of it (twice the bytes of a
-    bf16 `x`, a `[rows hidden]` array per MoE layer)."""
-    return (x.astype(jnp.float32) * scale[:, None].astype(jnp.float32)).astype(x.dtype)
-
-
-def _scale_rows_fwd(x, scale):
-    return scale_rows(x, scale), (x, scale)
-
-
-def _scale_rows_bwd(res, g):
-    x, scale = res
-    g = g.astype(jnp.float32)
-    d_x = (g * scale[:, None].astype(jnp.float32)).astype(x.dtype)
-    d_scale = jnp.sum(g * x.astype(jnp.float32), axis=1).astype(scale.dtype)
-    return d_x, d_scale
-
-
-scale_rows.defvjp(_scale_rows_fwd, _scale_rows_bwd)
-
-
-@jax.custom_vjp
 def swiglu_scaled(
     gate_and_up: Float[Array, "rows gate_up"], scale: Float[Array, " rows"]
 ) -> Float[Array, "rows hidden"]:

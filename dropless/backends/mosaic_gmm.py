@@ -134,6 +134,7 @@ def grouped_matmul_swiglu(
     rhs: Float[Array, "groups k gate_up"],
     group_sizes: Int[Array, " groups"],
     *,
+    row_scale: Float[Array, " rows"] | None = None,
     config: KernelConfig | None = None,
 ) -> tuple[Float[Array, "rows gate_up"], Float[Array, "rows hidden"]]:
     """`grouped_matmul(lhs, rhs)` and, from the same tiles before they leave the GPU's shared
@@ -141,16 +142,24 @@ def grouped_matmul_swiglu(
     pass over it. `rhs` holds gate and up columns interleaved in blocks of `tile_n // 2`
     (`interleave_gate_up`, same config), so each compute warpgroup's tile has a block of each;
     the first output keeps that order (for the backward), the second is in the hidden units'
-    order. The SwiGLU is computed in float32 from the bf16/f16-rounded gate and up."""
+    order. The SwiGLU is computed in float32 from the bf16/f16-rounded gate and up, times
+    `row_scale[r]` for row r if given (read in the epilogue, float32)."""
     rows, k = lhs.shape
     n = rhs.shape[2]
     c = config or config_for(n)
     _check("grouped matmul", lhs, rhs, (("k", k, c.tile_k), ("n", n, 2 * c.tile_n)))
+    if row_scale is not None and row_scale.shape != (rows,):
+        raise ValueError(f"grouped matmul: row_scale has shape {row_scale.shape}, want ({rows},)")
     if rows == 0:
         return jnp.zeros((0, n), lhs.dtype), jnp.zeros((0, n // 2), lhs.dtype)
-    (lhs,) = _pad_rows((lhs,), c.tile_m)
+    if row_scale is None:
+        (lhs,) = _pad_rows((lhs,), c.tile_m)
+    else:
+        lhs, row_scale = _pad_rows((lhs, row_scale.astype(jnp.float32)), c.tile_m)
     schedule, n_items = tile_schedule(group_sizes, lhs.shape[0], c.tile_m)
-    gate_up, hidden = _launch(schedule, n_items, lhs, rhs, False, c, swiglu=True)
+    gate_up, hidden = _launch(
+        schedule, n_items, lhs, rhs, False, c, swiglu=True, row_scale=row_scale
+    )
     return gate_up[:rows], hidden[:rows]
 
 
@@ -198,6 +207,19 @@ def swiglu_grad_interleaved(
     return jnp.where(is_gate, d_gate, d_up).reshape(rows, width)
 
 
+def swiglu_interleaved(
+    gate_up: Float[Array, "rows gate_up"], config: KernelConfig | None = None
+) -> Float[Array, "rows hidden"]:
+    """`silu(gate) * up` in float32, in the hidden units' order, from an
+    `interleave_gate_up`-ordered `gate_up`: what `grouped_matmul_swiglu` computes in its
+    epilogue, for a backward that needs it again (a scale's gradient) without keeping it."""
+    rows, width = gate_up.shape
+    block = _interleave_block(width // 2, config)
+    pairs = gate_up.reshape(rows, width // 2 // block, 2, block).astype(jnp.float32)
+    hidden = jax.nn.silu(pairs[:, :, 0]) * pairs[:, :, 1]
+    return hidden.reshape(rows, width // 2)
+
+
 def _interleave_block(hidden: int, config: KernelConfig | None) -> int:
     """Half a compute warpgroup's tile: the kernel's gate and up blocks (`config`, or the one
     `config_for` picks for the 2 * hidden output columns)."""
@@ -207,7 +229,9 @@ def _interleave_block(hidden: int, config: KernelConfig | None) -> int:
     return block
 
 
-def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig, swiglu=False):
+def _launch(
+    schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig, swiglu=False, row_scale=None
+):
     rows, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     dtype = lhs.dtype
@@ -237,16 +261,23 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig, swiglu=
     # store takes only contiguous shared memory), the hidden units then written over the gate.
     tile_shape = (2, c.tile_m, c.tile_n // 2) if swiglu else (c.tile_m, c.tile_n)
 
-    def body(schedule_gmem, n_items_gmem, lhs_gmem, rhs_gmem, out_gmem, hidden_gmem=None):
+    def body(schedule_gmem, n_items_gmem, lhs_gmem, rhs_gmem, *outs):
+        if row_scale is None:
+            scale_gmem, (out_gmem, *hidden_gmem) = None, outs
+        else:
+            scale_gmem, out_gmem, *hidden_gmem = outs
         allocs = pipeline(_ignore, _ignore).get_allocations(lhs_gmem, rhs_gmem.at[0])
 
         @functools.partial(
             pl.run_scoped,
             allocs=allocs,
             out_smem=plgpu.SMEM((2, *tile_shape), dtype),
+            # each compute warpgroup's copy of its tile's row scales, loaded by TMA
+            scale_smem=None if row_scale is None else plgpu.SMEM((2, c.tile_m), jnp.float32),
+            scale_loaded=None if row_scale is None else plgpu.Barrier(num_barriers=2),
             collective_axes="wg",
         )
-        def scope(allocs, out_smem):
+        def scope(allocs, out_smem, scale_smem, scale_loaded):
             wg = lax.axis_index("wg")
 
             @plgpu.nd_loop((n_items_gmem[0] * n_blocks,), collective_axes="sm")
@@ -286,7 +317,14 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig, swiglu=
                         c.tile_m,
                         c.tile_n,
                         lambda i, tile: store(tile, at_cols=halves[i]),
-                        lambda tile: store(tile, hidden_gmem, pl.ds(0, half), hidden_cols),
+                        lambda tile: store(tile, hidden_gmem[0], pl.ds(0, half), hidden_cols),
+                        None
+                        if scale_gmem is None
+                        else (
+                            scale_gmem.at[pl.ds(row0, c.tile_m)],
+                            scale_smem.at[wg],
+                            scale_loaded.at[wg],
+                        ),
                     )
                 else:
                     compute_context = _epilogue(out_smem, wg, dtype, c.tile_m, c.tile_n, store)
@@ -301,7 +339,8 @@ def _launch(schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig, swiglu=
 
     out_shapes = [(rows, n), (rows, n // 2)] if swiglu else (rows, n)
     kernel = _kernel(body, out_shapes, dtype)
-    return kernel(schedule, n_items, lhs, rhs)
+    scale = () if row_scale is None else (row_scale,)
+    return kernel(schedule, n_items, lhs, rhs, *scale)
 
 
 def _group_bounds(group_sizes, rows: int):
@@ -315,7 +354,7 @@ def _pad_rows(arrays, multiple: int):
     every TMA load in bounds."""
     rows = arrays[0].shape[0]
     extra = -rows % multiple
-    return tuple(jnp.pad(a, ((0, extra), (0, 0))) if extra else a for a in arrays)
+    return tuple(jnp.pad(a, [(0, extra)] + [(0, 0)] * (a.ndim - 1)) if extra else a for a in arrays)
 
 
 def _warp_specialized(mma, compute_context, steps, in_specs, max_concurrent_steps: int, state=None):
@@ -398,14 +437,17 @@ def _kernel(body, out_shape, dtype):
     )
 
 
-def _finished_in(dtype, tile_m: int, tile_n: int, finish):
-    """The compute warpgroups' side of a pipeline: run it into a float32 accumulator, then,
+def _finished_in(dtype, tile_m: int, tile_n: int, finish, start=None):
+    """The compute warpgroups' side of a pipeline: `start()` if given (before the pipeline,
+    e.g. to issue an epilogue's loads), run the pipeline into a float32 accumulator, then,
     once the previous item's stores have read this warpgroup's shared memory, hand the result
     in `dtype` to `finish` (which writes and stores it)."""
 
     def compute_context(run):
         @functools.partial(pl.run_scoped, acc=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _(acc):
+            if start is not None:
+                start()
             run(acc)
             result = acc[...].astype(dtype)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -426,12 +468,20 @@ def _epilogue(out_smem, wg, dtype, tile_m: int, tile_n: int, store):
     return _finished_in(dtype, tile_m, tile_n, finish)
 
 
-def _swiglu_epilogue(out_smem, wg, dtype, tile_m: int, tile_n: int, store_half, store_hidden):
+def _swiglu_epilogue(
+    out_smem, wg, dtype, tile_m: int, tile_n: int, store_half, store_hidden, row_scale=None
+):
     """`_epilogue` for `grouped_matmul_swiglu`: the tile's gate and up halves are stored
     (`store_half(i, half)`); `silu(gate) * up` is computed from the registers while those stores
     run, then written over the gate half once its store has read it, and stored
-    (`store_hidden`)."""
+    (`store_hidden`). `row_scale`: (the tile's rows' scales in global memory, this warpgroup's
+    shared-memory copy, its barrier); the copy is issued before the pipeline runs and the
+    SwiGLU multiplied by it, row by row."""
     half = tile_n // 2
+
+    def start():
+        scale_gmem, scale_smem, loaded = row_scale
+        plgpu.copy_gmem_to_smem(scale_gmem, scale_smem, loaded)
 
     def finish(result):
         gate, up = result[:, :half], result[:, half:]
@@ -441,13 +491,21 @@ def _swiglu_epilogue(out_smem, wg, dtype, tile_m: int, tile_n: int, store_half, 
         for i in range(2):
             store_half(i, out_smem.at[wg, i])
         gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
-        hidden = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
+        hidden = gate / (1.0 + jnp.exp(-gate)) * up
+        if row_scale is not None:  # one value per row, broadcast along the row's columns
+            _, scale_smem, loaded = row_scale
+            plgpu.barrier_wait(loaded)
+            scale = scale_smem[...]
+            if INTERPRET is None:  # the interpreter has no layouts
+                scale = plgpu.layout_cast(scale, plgpu.Layout.WGMMA.reduce(1))
+            hidden = hidden * lax.broadcast_in_dim(scale, (tile_m, half), [0])
+        hidden = hidden.astype(dtype)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         out_smem[wg, 0] = hidden
         plgpu.commit_smem()
         store_hidden(out_smem.at[wg, 0])
 
-    return _finished_in(dtype, tile_m, tile_n, finish)
+    return _finished_in(dtype, tile_m, tile_n, finish, None if row_scale is None else start)
 
 
 def _ignore(*_, **__):

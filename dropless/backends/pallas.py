@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from dropless.backends import Backend, BackendUnavailableError, _is_hopper
 from dropless.backends.jnp import CapacityGroupedMatmul, SortDispatcher
-from dropless.experts import AbstractGroupedMatmul, scale_rows
+from dropless.experts import AbstractGroupedMatmul
 from dropless.routing import JnpTopK
 
 
@@ -174,29 +174,42 @@ def _weight_grad(lhs, g, group_sizes, kernels: Kernels):
 
 
 @jax.custom_vjp
-def pallas_gate_up_swiglu(rows, w_interleaved, group_sizes):
+def pallas_gate_up_swiglu(rows, w_interleaved, group_sizes, row_scale=None):
     """SwiGLU of the gate-and-up grouped matmul in one kernel (`mosaic_gmm.grouped_matmul_swiglu`;
-    the weights interleaved by `mosaic_gmm.interleave_gate_up`), with an exact VJP: the
-    SwiGLU's gradient from the saved gate and up, then our input- and weight-gradient kernels."""
+    the weights interleaved by `mosaic_gmm.interleave_gate_up`), times `row_scale` per row in
+    the same epilogue if given, with an exact VJP: the SwiGLU's gradient (and the scale's) from
+    the saved gate and up, then our input- and weight-gradient kernels."""
     from dropless.backends import mosaic_gmm
 
-    return mosaic_gmm.grouped_matmul_swiglu(rows, w_interleaved, group_sizes)[1]
+    _, hidden = mosaic_gmm.grouped_matmul_swiglu(
+        rows, w_interleaved, group_sizes, row_scale=row_scale
+    )
+    return hidden
 
 
-def _swiglu_fwd(rows, w_interleaved, group_sizes):
+def _swiglu_fwd(rows, w_interleaved, group_sizes, row_scale):
     from dropless.backends import mosaic_gmm
 
-    gate_up, hidden = mosaic_gmm.grouped_matmul_swiglu(rows, w_interleaved, group_sizes)
-    return hidden, (rows, w_interleaved, group_sizes, gate_up)
+    gate_up, hidden = mosaic_gmm.grouped_matmul_swiglu(
+        rows, w_interleaved, group_sizes, row_scale=row_scale
+    )
+    return hidden, (rows, w_interleaved, group_sizes, gate_up, row_scale)
 
 
 def _swiglu_bwd(res, d_hidden):
     from dropless.backends import mosaic_gmm
 
-    rows, w, group_sizes, gate_up = res
+    rows, w, group_sizes, gate_up, row_scale = res
+    d_scale = None
+    if row_scale is not None:  # one pass with the SwiGLU's gradient, if XLA fuses them
+        d_hidden = d_hidden.astype(jnp.float32)
+        hidden = mosaic_gmm.swiglu_interleaved(gate_up)
+        d_scale = jnp.sum(hidden * d_hidden, axis=1).astype(row_scale.dtype)
+        d_hidden = d_hidden * row_scale[:, None].astype(jnp.float32)
     d_gate_up = mosaic_gmm.swiglu_grad_interleaved(gate_up, d_hidden).astype(rows.dtype)
     d_rows = row_op("dgrad", d_gate_up, w, group_sizes, "dropless")
-    return d_rows, _weight_grad(rows, d_gate_up, group_sizes, "dropless").astype(w.dtype), None
+    d_w = _weight_grad(rows, d_gate_up, group_sizes, "dropless").astype(w.dtype)
+    return d_rows, d_w, None, d_scale
 
 
 pallas_gate_up_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
@@ -258,9 +271,9 @@ class PallasGroupedMatmul(AbstractGroupedMatmul):
             return super().gate_up_swiglu(rows, w_gate, w_up, group_sizes, row_scale)
         dt = jnp.dtype(self.compute_dtype)
         w = mosaic_gmm.interleave_gate_up(w_gate, w_up, config).astype(dt)
-        hidden_rows = pallas_gate_up_swiglu(rows.astype(dt), w, group_sizes.astype(jnp.int32))
-        if row_scale is not None:  # a pass of its own: the kernel's epilogue does not scale
-            hidden_rows = scale_rows(hidden_rows, row_scale)
+        hidden_rows = pallas_gate_up_swiglu(
+            rows.astype(dt), w, group_sizes.astype(jnp.int32), row_scale
+        )
         return hidden_rows.astype(rows.dtype)
 
 

@@ -179,8 +179,8 @@ def test_moe_layer_equals_oracle(backend):
 
 @pytest.mark.parametrize("fused_swiglu", [False, True])
 def test_pallas_moe_layer_with_weights_before_down_equals_oracle(fused_swiglu):
-    """`MoE(weights_before_down=True)` on our kernels, with and without the fused SwiGLU (whose
-    output is scaled in a pass of its own)."""
+    """`MoE(weights_before_down=True)` on our kernels, with and without the fused SwiGLU (which
+    scales in its epilogue)."""
     from dropless.backends.pallas import PallasGroupedMatmul
 
     load("pallas")
@@ -305,11 +305,13 @@ def test_chained_mosaic_kernel_is_exact(op, layout, columns):
     assert rel_err(got[:live_rows], want[:live_rows]) <= BF16
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("layout", ["skewed", "one_expert", "short"])
-def test_mosaic_swiglu_kernel_is_exact(layout):
+def test_mosaic_swiglu_kernel_is_exact(layout, scaled):
     """`grouped_matmul_swiglu` (the SwiGLU in the epilogue): the gate-and-up output equals
     the plain product with the interleaved weights, the hidden output silu(gate) * up of the
-    rounded gate and up; 4000 rows so that thread blocks take several tiles."""
+    rounded gate and up (times the rows' scales, `scaled`); 4000 rows so that thread blocks
+    take several tiles."""
     pallas = load("pallas")
     from dropless.backends import mosaic_gmm
 
@@ -322,34 +324,40 @@ def test_mosaic_swiglu_kernel_is_exact(layout):
         (jax.random.normal(key, (e, k, hidden)) / k**0.5).astype(jnp.bfloat16) for key in keys[1:]
     )
     w = mosaic_gmm.interleave_gate_up(w_gate, w_up)
-    gate_up, h = mosaic_gmm.grouped_matmul_swiglu(x, w, sizes)
+    scale = jax.random.uniform(jax.random.key(3), (rows,), minval=0.1, maxval=2.0)
+    gate_up, h = mosaic_gmm.grouped_matmul_swiglu(x, w, sizes, row_scale=scale if scaled else None)
     want = pallas.reference_op("fwd", x, w, sizes)
     assert rel_err(gate_up[:live_rows], want[:live_rows]) <= BF16
     plain = pallas.reference_op("fwd", x, jnp.concatenate([w_gate, w_up], -1), sizes)
     gate, up = jnp.split(plain.astype(jnp.bfloat16).astype(jnp.float32), 2, axis=-1)
-    want_h = jax.nn.silu(gate) * up
+    want_h = jax.nn.silu(gate) * up * (scale[:, None] if scaled else 1.0)
     assert rel_err(h[:live_rows], want_h[:live_rows]) <= BF16
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("layout", ["skewed", "one_expert"])
-def test_pallas_fused_swiglu_equals_the_plain_strategy(layout):
+def test_pallas_fused_swiglu_equals_the_plain_strategy(layout, scaled):
     """`PallasGroupedMatmul(fused_swiglu=True)` against the plain strategy (matmul, then XLA's
-    SwiGLU): value and gradients of the rows and both weights, at proxy-2b's widths."""
+    SwiGLU): value and gradients of the rows and both weights (and of the rows' scales,
+    `scaled`), at proxy-2b's widths."""
     pallas = load("pallas")
     e, rows, dim, hidden = 16, 4000, 1024, 512
     sizes = group_sizes(layout, rows, e, seed=8)
-    keys = jax.random.split(jax.random.key(4), 4)
+    keys = jax.random.split(jax.random.key(4), 5)
     x = jax.random.normal(keys[0], (rows, dim), jnp.bfloat16)
     w_gate, w_up = (jax.random.normal(k, (e, dim, hidden)) / dim**0.5 for k in keys[1:3])
     d_hidden = jax.random.normal(keys[3], (rows, hidden))
+    scale = jax.random.uniform(keys[4], (rows,), minval=0.1, maxval=2.0)
 
-    def loss(strategy, x, w_gate, w_up):
-        hidden_rows = strategy.gate_up_swiglu(x, w_gate, w_up, sizes)
+    def loss(strategy, x, w_gate, w_up, scale):
+        row_scale = scale if scaled else None
+        hidden_rows = strategy.gate_up_swiglu(x, w_gate, w_up, sizes, row_scale=row_scale)
         return jnp.sum(hidden_rows.astype(jnp.float32) * d_hidden)
 
-    grads = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3)), static_argnums=0)
-    got = grads(pallas.PallasGroupedMatmul(fused_swiglu=True), x, w_gate, w_up)
-    want = grads(pallas.PallasGroupedMatmul(), x, w_gate, w_up)
+    grads = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3, 4)), static_argnums=0)
+    got = grads(pallas.PallasGroupedMatmul(fused_swiglu=True), x, w_gate, w_up, scale)
+    want = grads(pallas.PallasGroupedMatmul(), x, w_gate, w_up, scale)
+    assert (jnp.abs(want[1][3]).sum() > 0) == scaled
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert rel_err(a, b) <= BF16
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from jaxtyping import TypeCheckError
 
 from dropless.backends import mosaic_gmm, pallas
 
@@ -107,10 +108,13 @@ def test_kernel_equals_each_groups_matmul_in_the_interpreter(monkeypatch, chain,
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-2  # bf16 output of f32 sums
 
 
-def test_swiglu_kernel_equals_the_matmul_and_its_swiglu_in_the_interpreter(monkeypatch):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_swiglu_kernel_equals_the_matmul_and_its_swiglu_in_the_interpreter(monkeypatch, scaled):
     """`grouped_matmul_swiglu` on uneven groups (an empty one, a block shared by three): the
     gate-and-up output equals the plain product with the interleaved weights, and the hidden
-    output equals silu(gate) * up of the rounded gate and up, in the hidden units' order."""
+    output equals silu(gate) * up of the rounded gate and up, in the hidden units' order
+    (times each row's scale, `scaled`: 200 rows, so the last tile's TMA copy of scales is
+    of padding rows)."""
     _interpret(monkeypatch)
     sizes = np.array([0, 70, 3, 0, 120])
     rows, k, hidden = 200, 128, 128
@@ -123,14 +127,16 @@ def test_swiglu_kernel_equals_the_matmul_and_its_swiglu_in_the_interpreter(monke
             (jax.random.normal(key, (5, k, hidden)) / 8).astype(jnp.bfloat16) for key in keys
         )
         w = mosaic_gmm.interleave_gate_up(w_gate, w_up, config)
-        gate_up, h = mosaic_gmm.grouped_matmul_swiglu(x, w, gs, config=config)
+        scale = jax.random.uniform(jax.random.key(seed + 2), (rows,), minval=0.1, maxval=2.0)
+        row_scale = scale if scaled else None
+        gate_up, h = mosaic_gmm.grouped_matmul_swiglu(x, w, gs, row_scale=row_scale, config=config)
         assert gate_up.shape == (rows, 2 * hidden) and h.shape == (rows, hidden)
         want = np.asarray(pallas.reference_op("fwd", x, w, gs))
         got = np.asarray(gate_up, np.float32)
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-2
         plain = pallas.reference_op("fwd", x, jnp.concatenate([w_gate, w_up], -1), gs)
         gate, up = np.split(np.asarray(plain.astype(jnp.bfloat16), np.float32), 2, axis=-1)
-        want_h = gate / (1 + np.exp(-gate)) * up
+        want_h = gate / (1 + np.exp(-gate)) * up * (np.asarray(scale)[:, None] if scaled else 1)
         got_h = np.asarray(h, np.float32)
         assert np.abs(got_h - want_h).max() / np.abs(want_h).max() < 1e-2
 
@@ -250,16 +256,27 @@ def test_small_experts_take_the_segmented_weight_gradient(
 
 
 @pytest.mark.parametrize(
-    "kernel", ["fwd", "dgrad", "fwd+swiglu", "wgrad per expert", "wgrad in runs"]
+    "kernel",
+    ["fwd", "dgrad", "fwd+swiglu", "fwd+swiglu scaled", "wgrad per expert", "wgrad in runs"],
 )
 def test_kernels_lower_for_cuda_on_the_cpu(kernel, lowered):
     """Each kernel goes through Mosaic GPU's lowering (layouts, allocations) into one custom
     call: the part of a GPU run that a CPU can check. What it computes is the GPU tests'."""
     x = jax.ShapeDtypeStruct((1000, 512), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((16,), jnp.int32)
-    if kernel == "fwd+swiglu":
+    if kernel.startswith("fwd+swiglu"):
         w = jax.ShapeDtypeStruct((16, 512, 512), jnp.bfloat16)
-        text = lowered(mosaic_gmm.grouped_matmul_swiglu, x, w, sizes, platform="cuda")
+        scale = jax.ShapeDtypeStruct((1000,), jnp.float32)
+        text = lowered(
+            lambda a, b, s, r: mosaic_gmm.grouped_matmul_swiglu(
+                a, b, s, row_scale=r if kernel.endswith("scaled") else None
+            ),
+            x,
+            w,
+            sizes,
+            scale,
+            platform="cuda",
+        )
     elif kernel in ("fwd", "dgrad"):
         w = jax.ShapeDtypeStruct((16, 512, 512), jnp.bfloat16)
         dgrad = kernel == "dgrad"
@@ -314,3 +331,24 @@ def test_swiglu_grad_interleaved_equals_autodiff_of_the_split_halves():
     got = mosaic_gmm.swiglu_grad_interleaved(gate_up, d_hidden, config)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_swiglu_interleaved_is_the_swiglu_of_the_split_halves():
+    """What the fused kernel's epilogue computes, from the interleaved layout, in the hidden
+    units' order (fails if gate and up swap roles or the blocks come out of order)."""
+    config = mosaic_gmm.KernelConfig(tile_n=64)
+    gate_up = 3.0 * jax.random.normal(jax.random.key(5), (40, 256), jnp.float32)
+    gate, up = mosaic_gmm.split_gate_up(gate_up, config)
+    got = mosaic_gmm.swiglu_interleaved(gate_up, config)
+    assert got.shape == (40, 128) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, jax.nn.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_a_row_scale_of_the_wrong_length_is_named():
+    """The tests' runtime type checks object first (naming the parameter); without them, the
+    function's own check names the shapes."""
+    w = jnp.zeros((2, 128, 256), jnp.bfloat16)
+    with pytest.raises((ValueError, TypeCheckError), match="row_scale"):
+        mosaic_gmm.grouped_matmul_swiglu(
+            jnp.zeros((16, 128), jnp.bfloat16), w, jnp.array([8, 8]), row_scale=jnp.ones(15)
+        )

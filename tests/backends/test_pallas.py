@@ -242,10 +242,11 @@ def _reference_kernels(monkeypatch):
     def grouped_weight_grad(a, g, s, *, config=None):
         return pallas.reference_op("wgrad", a, g, s).astype(a.dtype)
 
-    def grouped_matmul_swiglu(a, w, s, *, config=None):
+    def grouped_matmul_swiglu(a, w, s, *, row_scale=None, config=None):
         gate_up = pallas.reference_op("fwd", a, w, s).astype(a.dtype)
         gate, up = mosaic_gmm.split_gate_up(gate_up.astype(jnp.float32), config)
-        return gate_up, (jax.nn.silu(gate) * up).astype(a.dtype)
+        scale = 1.0 if row_scale is None else row_scale[:, None]
+        return gate_up, (jax.nn.silu(gate) * up * scale).astype(a.dtype)
 
     monkeypatch.setattr(mosaic_gmm, "grouped_matmul", grouped_matmul)
     monkeypatch.setattr(mosaic_gmm, "grouped_weight_grad", grouped_weight_grad)

@@ -43,6 +43,8 @@ OPTIONS = {
     # SwiGLU, and the routing weights before the down projection
     "fused32": {"backend": pallas(True)},
     "early": {"set": ["moe_weights_before_down=true"]},
+    # written in the twenty-third session: both, the scale in the fused kernel's epilogue
+    "fused_early": {"set": ["moe_weights_before_down=true"], "backend": pallas(True)},
 }
 
 
