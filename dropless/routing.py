@@ -243,6 +243,11 @@ class TopKRouter(eqx.Module):
         self.topk = JnpTopK() if topk is None else topk
 
     def __call__(self, x: Float[Array, "tokens dim"]) -> Routing:
+        if x.ndim != 2 or x.shape[1] != self.w_router.shape[1]:
+            raise ValueError(
+                f"TopKRouter: x has shape {x.shape}, want [tokens {self.w_router.shape[1]}] "
+                "(the router's dim)"
+            )
         with jax.named_scope("route"):
             logits = x.astype(jnp.float32) @ self.w_router.astype(jnp.float32).T
             return self.topk(logits, self.expert_bias, self.spec)

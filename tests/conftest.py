@@ -63,12 +63,17 @@ def has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    if has_gpu():
-        return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    """`gpu` tests skip without a GPU. `mesh8` tests (meshes over the 8 CPU devices set up
+    above) skip where JAX's default devices are fewer: on a machine with one or two GPUs, whose
+    devices replace the emulated ones; their `gpu` tests pick their own devices."""
+    gpu, devices = has_gpu(), jax.device_count()
+    no_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    few = pytest.mark.skip(reason=f"needs 8 devices, this machine has {devices}")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(no_gpu)
+        elif "mesh8" in item.keywords and "gpu" not in item.keywords and devices < 8:
+            item.add_marker(few)
 
 
 @pytest.fixture(autouse=True)
@@ -132,3 +137,18 @@ def _lowered(fn, *args, platform: str) -> str:
 def lowered():
     """fn, *args, platform= -> the program jit(fn) lowers to for that platform (see _lowered)."""
     return _lowered
+
+
+def _unchecked(fn):
+    """`fn` past the tests' runtime type checks (jaxtyping + beartype wrap every function of
+    the package): for tests of the library's own checks, which the type checks would
+    otherwise pre-empt. Without the hook there is nothing to unwrap."""
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+@pytest.fixture
+def unchecked():
+    """fn -> fn without the tests' runtime type checks (see _unchecked)."""
+    return _unchecked

@@ -1,7 +1,6 @@
 """The `dropless` command: an end-to-end smoke run, option parsing, help, and clear errors.
 
-The smoke run trains the tiny preset at batch 8 x 32 tokens, the shapes of tests/train, so it
-shares their compiled steps.
+The smoke run trains the tiny preset at batch 8 x 32 tokens, the shapes of tests/train.
 """
 
 import ast

@@ -1,8 +1,9 @@
-"""Sort dispatch + combine: layout invariants, inverse pair, determinism, gradients."""
+"""Sort dispatch + combine: layout invariants, inverse pair, jit, gradients."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -84,16 +85,31 @@ def test_permute_rows_gradient_matches_plain_gather():
     np.testing.assert_array_equal(g1, g2)
 
 
-def test_dispatch_is_deterministic_and_jittable():
+def test_dispatch_under_jit_gives_the_expected_sum():
+    """Under jit, with tied logits: dispatch, double every row, combine gives 2 x times the
+    sum of each token's weights."""
     x = jax.random.normal(jax.random.key(0), (64, 8))
     routing = JnpTopK()(
         jnp.round(jax.random.normal(jax.random.key(1), (64, 16))), None, RoutingSpec(16, 3)
     )
 
-    @jax.jit
     def f(x):
         disp = SortDispatcher()
         d = disp.dispatch(x, routing)
         return disp.combine(d.rows * 2, d, routing)
 
-    np.testing.assert_array_equal(f(x), f(x))
+    got = jax.jit(f)(x)
+    np.testing.assert_allclose(got, 2 * x * routing.weights.sum(-1, keepdims=True), rtol=1e-6)
+
+
+def test_mismatched_tokens_and_rows_are_named(unchecked):
+    """The dispatcher protocol's own checks (past the tests' type checks, which would object
+    first): routing for other tokens than x, and a combine of rows dispatch did not make."""
+    routing = JnpTopK()(jax.random.normal(jax.random.key(0), (6, 4)), None, RoutingSpec(4, 2))
+    disp = SortDispatcher()
+    with pytest.raises(ValueError, match="routing has 6 tokens but x has 5"):
+        unchecked(SortDispatcher.dispatch)(disp, jnp.zeros((5, 8)), routing)
+    dispatched = disp.dispatch(jnp.zeros((6, 8)), routing)
+    rows = dispatched.rows.shape[0]
+    with pytest.raises(ValueError, match=f"combine got {rows - 1} rows, dispatch made {rows}"):
+        unchecked(SortDispatcher.combine)(disp, jnp.zeros((rows - 1, 8)), dispatched, routing)

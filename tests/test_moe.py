@@ -53,18 +53,24 @@ def moe_case(draw):
 
 
 def build(spec, shared, adversarial, seed, backend, **options):
+    """The layer and 20 tokens. The adversarial routings steer through the tokens' first
+    feature, set to 1: a router row's first weight then shifts that expert's logit for every
+    token alike (by 12, several times the spread of the rest), and the case is checked here."""
     k_model, k_x = jax.random.split(jax.random.key(seed))
     moe = MoE(12, 10, spec, n_shared_experts=shared, backend=backend, key=k_model, **options)
-    if adversarial == "one_expert":  # every token's top choice is the same expert
-        moe = eqx.tree_at(lambda m: m.router.w_router, moe, moe.router.w_router.at[1].mul(40.0))
+    x = jax.random.normal(k_x, (20, 12)).at[:, 0].set(1.0)
+    w = moe.router.w_router
+    half = spec.n_routed_experts // 2
+    if adversarial == "one_expert":  # every token chooses the same expert
+        w = w.at[1, 0].set(12.0)
     elif adversarial == "empty_experts":  # the first half of the experts are never chosen
-        half = spec.n_routed_experts // 2
-        moe = eqx.tree_at(lambda m: m.router.w_router, moe, moe.router.w_router.at[:half].set(0.0))
-        if spec.use_expert_bias:
-            moe = eqx.tree_at(
-                lambda m: m.router.expert_bias, moe, moe.router.expert_bias.at[:half].set(-50.0)
-            )
-    x = jax.random.normal(k_x, (20, 12))
+        w = w.at[:half].set(0.0).at[:half, 0].set(-12.0)
+    moe = eqx.tree_at(lambda m: m.router.w_router, moe, w)
+    ids = moe.router(x).expert_ids
+    if adversarial == "one_expert":
+        assert (ids == 1).any(axis=1).all()
+    elif adversarial == "empty_experts":
+        assert (ids >= half).all()
     return moe, x
 
 
@@ -164,8 +170,8 @@ def test_missing_te_names_what_to_install():
 
 @pytest.mark.parametrize("gpu", [False, True])
 def test_auto_without_te(monkeypatch, gpu):
-    """Without TE, 'auto' is the chunked 'jnp' on a CPU and 'jnp-capacity' on a GPU (warning
-    that TE is missing), whose batched matmul does not wait on the host."""
+    """Without TE, 'auto' is the chunked 'jnp' on a CPU and 'jnp-capacity' on a GPU before
+    Hopper (warning that TE is missing), whose batched matmul does not wait on the host."""
     import dropless.backends as backends
 
     def missing():
@@ -173,6 +179,7 @@ def test_auto_without_te(monkeypatch, gpu):
 
     monkeypatch.setitem(backends.BACKENDS, "te-gmm", missing)
     monkeypatch.setattr(backends, "_has_gpu", lambda: gpu)
+    monkeypatch.setattr(backends, "_is_hopper", lambda: False)  # a Hopper GPU takes pallas
     backends._auto.cache_clear()
     try:
         if gpu:

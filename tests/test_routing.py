@@ -122,7 +122,6 @@ def test_group_limit_picks_only_from_top_groups(case):
     chosen_groups = np.asarray(r.expert_ids) // per_group
     for t in range(TOKENS):
         assert set(chosen_groups[t]) <= set(allowed[t])
-    assert len(np.unique(chosen_groups)) >= 1
 
 
 @given(routing_case())
@@ -262,10 +261,12 @@ def test_infinite_scaling_is_rejected():
         RoutingSpec(8, 2, routed_scaling_factor=float("inf"))
 
 
-def test_wrong_shapes_are_rejected():
+def test_wrong_shapes_are_rejected(unchecked):
     spec = RoutingSpec(8, 2)
     router = TopKRouter(16, spec, key=jax.random.key(0))
-    with pytest.raises(Exception, match="dim|shape|16|8"):
-        router(jnp.zeros((4, 8)))
+    with pytest.raises(ValueError, match=r"x has shape \(4, 8\), want \[tokens 16\]"):
+        unchecked(TopKRouter.__call__)(router, jnp.zeros((4, 8)))
+    with pytest.raises(ValueError, match=r"x has shape \(2, 4, 16\)"):
+        unchecked(TopKRouter.__call__)(router, jnp.zeros((2, 4, 16)))
     with pytest.raises(ValueError, match="n_routed_experts"):
         JnpTopK()(jnp.zeros((4, 6)), None, spec)

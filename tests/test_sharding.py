@@ -15,6 +15,8 @@ from dropless.backends import with_backend
 from dropless.moe import MoE
 from dropless.routing import RoutingSpec
 
+pytestmark = pytest.mark.mesh8  # meshes over the 8 devices (tests/conftest.py)
+
 # float32, same math in a different layout and summation order (fixed, never loosened)
 RTOL, ATOL = 1e-5, 1e-5
 

@@ -19,6 +19,7 @@ from dropless.backends import get_backend, with_backend
 from dropless.backends.ep import (
     AllToAllDispatcher,
     buffer_rows,
+    check_ep_settings,
     ep_backend,
     pair_bound,
     ragged_bound,
@@ -26,6 +27,8 @@ from dropless.backends.ep import (
 )
 from dropless.moe import MoE
 from dropless.routing import RoutingSpec
+
+pytestmark = pytest.mark.mesh8  # meshes over the 8 devices (tests/conftest.py)
 
 # Tolerances for float32 MoE layers computed on different layouts (same math, different
 # summation order): fixed, never loosened.
@@ -81,6 +84,12 @@ def value_and_grad(layer, x, probe):
     return y, stats, grads
 
 
+@eqx.filter_jit
+def balance_losses(moe, parts):
+    """The batch-wise balance loss of each part of the tokens, `[parts]`."""
+    return jax.vmap(lambda part: moe(part)[1].balance_loss)(parts)
+
+
 def sharded(moe: MoE, mesh, **dispatcher_settings) -> sharding.ShardedMoE:
     """`moe` on `mesh`, with the "ep" dispatcher (default settings unless given)."""
     moe = with_backend(moe, "ep")
@@ -120,6 +129,9 @@ def test_ep_matches_single_device(ep):
         assert_same_grads(g, g_ref)
         np.testing.assert_array_equal(st.tokens_per_expert, st_ref.tokens_per_expert)
         assert_close(st.z_loss, st_ref.z_loss)
+        # the batch-wise loss is documented as the mean of the 8 devices' own (docs/distributed.md)
+        per_device = balance_losses(make_moe(routing), jnp.stack(jnp.split(x, 8)))
+        assert_close(st.balance_loss, per_device.mean())
         assert_close(st.seq_balance_loss, st_ref.seq_balance_loss)
         assert_close(st.max_vio, st_ref.max_vio)
         assert float(st.dropped) == 0.0
@@ -310,9 +322,11 @@ def test_bad_recv_factor(bad):
 
 @pytest.mark.parametrize("bad", ["2", True])
 def test_recv_factor_of_wrong_type(bad):
-    # the runtime type checker (tests) or __check_init__ (everywhere) refuses it
-    with pytest.raises((TypeError, ValueError)):
+    # the runtime type checker (tests) or __check_init__ (everywhere) refuses it, naming it
+    with pytest.raises((TypeError, ValueError), match="recv_factor"):
         AllToAllDispatcher(recv_factor=bad)
+    with pytest.raises(ValueError, match=f"recv_factor must be None .* got {bad!r}"):
+        check_ep_settings("expert", bad)  # __check_init__'s own rule
 
 
 def test_bad_settings():

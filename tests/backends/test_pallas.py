@@ -266,11 +266,11 @@ def test_fused_swiglu_equals_the_matmul_then_swiglu_with_gradients(monkeypatch, 
 
     _reference_kernels(monkeypatch)
     sizes = jnp.array([70, 0, 30, 100])
-    keys = jax.random.split(jax.random.key(0), 4)
+    keys = jax.random.split(jax.random.key(0), 5)
     rows = jax.random.normal(keys[0], (200, 256)).astype(jnp.bfloat16)  # 256: our wgrad's rows
     w_gate, w_up = (jax.random.normal(k, (4, 256, 256)) / 16 for k in keys[1:3])
     d_hidden = jax.random.normal(keys[3], (200, 256))
-    scale = jax.random.uniform(keys[3], (200,), minval=0.5, maxval=2.0)
+    scale = jax.random.uniform(keys[4], (200,), minval=0.5, maxval=2.0)
 
     def loss(strategy, rows, w_gate, w_up, scale):
         row_scale = scale if scaled else None

@@ -17,13 +17,19 @@ def test_matches_formula():
 
 
 def test_bf16_input_keeps_dtype_and_uses_float32_statistics():
-    # Large values: a bf16 sum of squares would be visibly off; float32 statistics are not.
+    """A bf16 input comes back in bf16, equal to the exact result rounded to bf16. Statistics
+    taken in bf16 round the row's scale to 8 bits, and about half the elements then round to
+    a neighbouring bf16 value (0.55 equal, measured), so the test asks for 99% equal and no
+    element more than one bf16 spacing off."""
     x = (jax.random.normal(jax.random.key(1), (4, 256)) * 100).astype(jnp.bfloat16)
     y = RMSNorm(256)(x)
     assert y.dtype == jnp.bfloat16
     x64 = np.asarray(x.astype(jnp.float32), np.float64)
     want = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6)
-    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), want, rtol=1e-2, atol=1e-2)
+    want = jnp.asarray(want, jnp.float32).astype(jnp.bfloat16)
+    assert float((y == want).mean()) >= 0.99
+    spacing = 2.0 ** (np.floor(np.log2(np.abs(np.asarray(want, np.float32)))) - 7)
+    assert (np.abs(np.asarray(y, np.float32) - np.asarray(want, np.float32)) <= spacing).all()
 
 
 def test_weight_is_the_only_parameter():

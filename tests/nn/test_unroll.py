@@ -102,6 +102,7 @@ def _primitives(f, *args) -> set[str]:
     return {eqn.primitive.name for eqn in jax.make_jaxpr(f)(*args).jaxpr.eqns}
 
 
+@pytest.mark.mesh8
 def test_gradient_buffer_is_zeros_under_automatic_sharding():
     """Over several devices without an explicit mesh, the buffer is a broadcast of zeros, which
     XLA's partitioner shards, not an uninitialised custom call with no sharding."""

@@ -1,8 +1,8 @@
 """The training loop end to end on the tiny preset: learning, balancing, exact resume, NaN stop,
 bad input.
 
-Every run uses batch 8 x 32 tokens (as test_step.py), so one compiled train step and one
-compiled eval step serve the whole session.
+Every run uses batch 8 x 32 tokens, so one compiled train step and one compiled eval step serve
+the module (tests/conftest.py drops compiled programs between modules).
 """
 
 import dataclasses

@@ -21,7 +21,7 @@ MODEL = get_preset("tiny", num_hidden_layers=2)
 MESH = "data=2,expert=4"
 RTOL = 1e-5
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (emulated) devices")
+pytestmark = pytest.mark.mesh8
 
 
 def config(**changes) -> TrainConfig:

@@ -1,8 +1,8 @@
 """The loss terms and the train step: the expert bias moves only by the sign rule, outside the
 gradient and the weight decay.
 
-Every step here uses the tiny preset at batch 8 x 32 tokens, like test_loop.py, so one compiled
-train step serves the whole session.
+Every step here uses the tiny preset at batch 8 x 32 tokens, so one compiled train step serves
+the module (tests/conftest.py drops compiled programs between modules).
 """
 
 import equinox as eqx
