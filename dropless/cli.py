@@ -106,7 +106,7 @@ def _to_options(config: DeepSeekV3Config) -> Any:
 def _from_options(options: Any) -> DeepSeekV3Config:
     values = dataclasses.asdict(options)
     if isinstance(values["rope_scaling"], str):
-        parsed = yaml.safe_load(values["rope_scaling"])
+        parsed = _yaml(values["rope_scaling"], "--model.rope-scaling")
         if parsed is not None and not isinstance(parsed, dict):
             raise ValueError(f"--model.rope-scaling must be a mapping or None, got {parsed!r}")
         values["rope_scaling"] = parsed
@@ -133,7 +133,8 @@ class TrainCommand:
     """MoE backend: 'auto' (pallas on a Hopper GPU, te-gmm on other GPUs where TE imports,
     jnp-capacity on a GPU without it, else jnp), 'jnp', 'ragged', 'te', ..."""
     out_dir: str | None = None
-    """Output directory (default: runs/<preset>-<date>-<time>); --resume needs it, and
+    """Output directory (default: runs/<name>-<date>-<time>, the name that of the preset, of
+    the --config file, or of the run whose config.yaml it is); --resume needs it, and
     continues the run with the settings of its config.yaml (flags override them)."""
     set: Annotated[tuple[str, ...], tyro.conf.arg(help_behavior_hint="(default: none)")] = ()
     """Dotted overrides applied last, values in YAML: --set model.n_routed_experts=32
@@ -165,12 +166,21 @@ def _flag_value(args: Sequence[str], name: str) -> str | None:
     return value
 
 
+def _yaml(text, where: str):
+    """`text` (a string or an open file) parsed as YAML; a syntax error is a ValueError that
+    names `where` and the place in the text."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{where}: not valid YAML ({' '.join(str(err).split())})") from None
+
+
 def load_yaml_config(path: str) -> dict:
     """A run config file: a mapping with (some of) the sections preset, backend, model, train."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file not found: {path}")
     with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        data = _yaml(f, path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping with sections {', '.join(_SECTIONS)}")
     unknown = sorted(set(data) - set(_SECTIONS))
@@ -241,7 +251,7 @@ def apply_overrides(
             raise ValueError(
                 f"--set {item!r}: expected model.<field>=<value> or train.<field>=<value>"
             )
-        changes[section][field.replace("-", "_")] = yaml.safe_load(raw)
+        changes[section][field.replace("-", "_")] = _yaml(raw, f"--set {item!r}")
     model = _replace_checked(model, changes["model"], "--set model")
     train = _replace_checked(train, changes["train"], "--set train")
     return model, train
@@ -328,6 +338,27 @@ def _describe(results, elapsed: float) -> str:
     return "\n".join(lines)
 
 
+def run_name(command: TrainCommand, resume: bool) -> str:
+    """What the header calls the run, and the default output directory starts with: the
+    resumed run's directory, the --config file's name (its run's, for a run's own
+    config.yaml), or the preset."""
+    if resume and command.out_dir:
+        return os.path.basename(os.path.normpath(command.out_dir))
+    if command.config:
+        path = os.path.abspath(command.config)
+        name = os.path.splitext(os.path.basename(path))[0]
+        return (os.path.basename(os.path.dirname(path)) or name) if name == "config" else name
+    return command.preset
+
+
+def _backend_label(backend: str) -> str:
+    """The backend's name, with the one it stands for if it is "auto": "auto (jnp)"."""
+    from dropless.backends import resolve_backend_name
+
+    resolved = resolve_backend_name(backend)
+    return backend if resolved == backend else f"{backend} ({resolved})"
+
+
 def _train(command: TrainCommand) -> int:
     from dropless.train.checkpoint import CheckpointError
     from dropless.train.loop import TrainingDiverged, train
@@ -336,11 +367,7 @@ def _train(command: TrainCommand) -> int:
     model, train_config = command.configs()
     if train_config.resume and command.out_dir is None:
         raise ValueError("--resume needs --out-dir (the directory of the run to continue)")
-    name = command.preset
-    if train_config.resume and command.out_dir:
-        name = os.path.basename(os.path.normpath(command.out_dir))
-    elif command.config:
-        name = os.path.splitext(os.path.basename(command.config))[0]
+    name = run_name(command, train_config.resume)
     out_dir = command.out_dir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if command.compile_cache:
         _enable_compile_cache()
@@ -351,7 +378,7 @@ def _train(command: TrainCommand) -> int:
         f"dropless: {verb} '{name}' on {data} for {train_config.steps} "
         f"step{'s' if train_config.steps != 1 else ''} "
         f"(batch {train_config.batch_size} x {train_config.seq_len} tokens, backend "
-        f"{command.backend}{mesh}) -> {out_dir}",
+        f"{_backend_label(command.backend)}{mesh}) -> {out_dir}",
         flush=True,
     )
     bar = ProgressBar(file=sys.stderr) if command.progress else None

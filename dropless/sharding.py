@@ -92,9 +92,17 @@ def make_mesh(
             f"mesh axis sizes must be >= 1, got data={data} fsdp={fsdp} expert={expert}"
         )
     if math.prod(shape) != len(devices):
+        cpu = devices and devices[0].platform == "cpu"
+        hint = (
+            f"; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={math.prod(shape)} "
+            "(set before JAX starts) emulates that many devices"
+            if cpu
+            else ""
+        )
         raise ValueError(
             f"mesh data={data} x fsdp={fsdp} x expert={expert} = {math.prod(shape)} devices, but "
-            f"{len(devices)} devices are given; the product must equal the device count"
+            f"{len(devices)} device{'s are' if len(devices) != 1 else ' is'} given; the product "
+            f"must equal the device count{hint}"
         )
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 

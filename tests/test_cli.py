@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 import yaml
 
@@ -57,11 +58,13 @@ def test_train_end_to_end(tmp_path, capsys):
     for plot in ("loss.png", "expert_load.png"):
         assert _is_png(out / plot) and (out / plot).stat().st_size > 10_000
 
-    # the written config reproduces the run's settings
+    # the written config reproduces the run's settings, and a run from it is named after it
     command = cli.parse(["train", "--config", str(out / "config.yaml")])
     model, train_config = command.configs()
     assert model == cli.get_preset("tiny") and train_config.steps == 6
     assert command.backend == "jnp"
+    assert cli.run_name(command, resume=False) == "run"
+    assert json.loads((out / "summary.json").read_text())["backend"] == "jnp"
 
 
 def test_resume_continues_the_run_with_its_own_config(tmp_path, capsys):
@@ -139,11 +142,34 @@ def test_preset_yaml_flags_and_set_compose(tmp_path):
         (["train", "--model.num-hidden-layers", "0"], "num_hidden_layers (0) must be >= 1"),
         (["train", "--config", "missing.yaml"], "config file not found"),
         (["train", "--resume"], "--resume needs --out-dir"),
+        (["train", "--set", "train.lr=[1"], "--set 'train.lr=[1': not valid YAML ("),
+        (["train", "--model.rope-scaling", "{type: yarn"], "--model.rope-scaling: not valid YAML"),
     ],
 )
 def test_bad_options_are_clear_errors(args, message, capsys):
     assert cli.main(args) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--backend", "ep"], "backend 'ep' is expert-parallel and needs a device mesh"),
+        (["--model.attention-impl", "cudnn"], "attention_impl = 'cudnn' needs an NVIDIA GPU"),
+    ],
+)
+def test_settings_this_machine_cannot_run_fail_before_anything_is_written(
+    args, message, tmp_path, capsys
+):
+    if "cudnn" in args and jax.devices()[0].platform == "gpu":
+        pytest.skip("cuDNN attention runs here")
+    out = tmp_path / "run"
+    base = ["train", "--out-dir", str(out), "--no-progress", "--no-compile-cache"]
+    assert cli.main([*base, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dropless: error: ") and message in err
+    assert not out.exists()
 
 
 def test_a_bad_flag_value_names_the_field_and_dropless_train(capsys):
@@ -158,6 +184,10 @@ def test_a_bad_flag_value_names_the_field_and_dropless_train(capsys):
 
 def test_bad_yaml_config_is_a_clear_error(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
+    config.write_text("train: [1, 2\n")  # not YAML at all
+    assert cli.main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"{config}: not valid YAML (" in err and "line" in err and "Traceback" not in err
     config.write_text(yaml.safe_dump({"model": {"hidden": 3}, "optimizer": {}}))
     assert cli.main(["train", "--config", str(config)]) == 2
     assert "unknown section(s) optimizer" in capsys.readouterr().err
@@ -173,6 +203,16 @@ def test_yaml_section_not_a_mapping_is_a_clear_error(tmp_path, capsys):
         assert cli.main(["train", "--config", str(config)]) == 2
         err = capsys.readouterr().err
         assert f"{where}: must be a mapping of field: value" in err and "Traceback" not in err
+
+
+def test_run_names(tmp_path):
+    """The header's and default directory's name: preset, config file, or resumed run."""
+    config = tmp_path / "sweep.yaml"
+    config.write_text("preset: small\n")
+    assert cli.run_name(cli.parse(["train"]), resume=False) == "tiny"
+    assert cli.run_name(cli.parse(["train", "--config", str(config)]), resume=False) == "sweep"
+    resumed = cli.parse(["train", "--out-dir", str(tmp_path / "a-run")])
+    assert cli.run_name(resumed, resume=True) == "a-run"
 
 
 def test_set_none_where_a_field_takes_none():

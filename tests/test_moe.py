@@ -180,17 +180,20 @@ def test_auto_without_te(monkeypatch, gpu):
     monkeypatch.setitem(backends.BACKENDS, "te-gmm", missing)
     monkeypatch.setattr(backends, "_has_gpu", lambda: gpu)
     monkeypatch.setattr(backends, "_is_hopper", lambda: False)  # a Hopper GPU takes pallas
-    backends._auto.cache_clear()
+    backends._auto_choice.cache_clear()
     try:
         if gpu:
             with pytest.warns(UserWarning, match="transformer-engine.*'jnp-capacity'"):
                 chosen = get_backend("auto")
         else:
             chosen = get_backend("auto")
+        name = backends.resolve_backend_name("auto")  # the cached choice, no second warning
     finally:
-        backends._auto.cache_clear()
+        backends._auto_choice.cache_clear()
     want = "CapacityGroupedMatmul" if gpu else "ChunkedGroupedMatmul"
     assert type(chosen.gmm).__name__ == want
+    assert name == ("jnp-capacity" if gpu else "jnp")
+    assert backends.resolve_backend_name("ragged") == "ragged"
 
 
 def test_wrong_input_shape_is_rejected():

@@ -112,8 +112,13 @@ def _is_hopper() -> bool:
     return device.platform == "gpu" and capability.startswith("9.")
 
 
-@functools.cache
 def _auto() -> Backend:
+    return _auto_choice()[1]
+
+
+@functools.cache
+def _auto_choice() -> tuple[str, Backend]:
+    """The registry name "auto" stands for on this machine, and its bundle."""
     # Ask for TE first: it must load its CUDA libraries before JAX starts its GPU backend.
     # On a Hopper GPU "pallas" wins over "te-gmm" (docs/benchmarks.md): in the proxy-2b train
     # step it is several times faster, since TE's multi-stream grouped GEMM waits on the host
@@ -127,15 +132,20 @@ def _auto() -> Backend:
         te_gmm, te_error = None, err
     if _is_hopper():
         try:
-            return _pallas_for_auto()
+            return "pallas", _pallas_for_auto()
         except BackendUnavailableError as err:
-            warnings.warn(f"backend 'auto': {err}; not using 'pallas'", stacklevel=3)
+            warnings.warn(f"backend 'auto': {err}; not using 'pallas'", stacklevel=4)
     if te_gmm is not None:
-        return te_gmm
+        return "te-gmm", te_gmm
     if _has_gpu():
-        warnings.warn(f"backend 'auto': {te_error}; falling back to 'jnp-capacity'", stacklevel=3)
-        return _jnp_capacity()
-    return _jnp()
+        warnings.warn(f"backend 'auto': {te_error}; falling back to 'jnp-capacity'", stacklevel=4)
+        return "jnp-capacity", _jnp_capacity()
+    return "jnp", _jnp()
+
+
+def resolve_backend_name(backend: str) -> str:
+    """The registry name that `backend` runs as here: itself, or the one "auto" picks."""
+    return _auto_choice()[0] if backend == "auto" else backend
 
 
 def get_backend(backend: "str | Backend") -> Backend:

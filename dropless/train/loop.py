@@ -16,6 +16,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -26,7 +27,7 @@ import yaml
 from jax.sharding import Mesh
 
 from dropless import sharding
-from dropless.backends import get_backend
+from dropless.backends import Backend, get_backend, resolve_backend_name
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
 from dropless.models.deepseek_v3.config import DROPLESS_FIELDS
 from dropless.train import metrics as metrics_lib
@@ -176,6 +177,30 @@ def _validate(model_config: DeepSeekV3Config, train_config: TrainConfig) -> None
             f"seq_len ({train_config.seq_len}) must exceed the MTP depth "
             f"(num_nextn_predict_layers = {depth})"
         )
+    if train_config.warmup_steps > train_config.steps:
+        warnings.warn(
+            f"TrainConfig.warmup_steps ({train_config.warmup_steps}) > steps "
+            f"({train_config.steps}): the learning rate never reaches lr ({train_config.lr:g})",
+            stacklevel=3,
+        )
+    platform = jax.devices()[0].platform
+    if model_config.attention_impl == "cudnn" and platform != "gpu":
+        raise ValueError(
+            "DeepSeekV3Config.attention_impl = 'cudnn' needs an NVIDIA GPU (cuDNN's fused "
+            f"attention); JAX runs on {platform} here: use 'xla'"
+        )
+
+
+def _check_backend_fits_mesh(backend: str, bundle: Backend, mesh) -> None:
+    """An expert-parallel backend runs only inside a mesh: refuse it without one, before
+    anything is written."""
+    if bundle.dispatcher.supports_expert_parallel and mesh is None:
+        raise ValueError(
+            f"backend {backend!r} is expert-parallel and needs a device mesh: give "
+            "TrainConfig.mesh (--mesh expert=N, N dividing the device count; on a CPU, "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N emulates N devices), or a "
+            "single-device backend such as 'auto'"
+        )
 
 
 def _host_metrics(metrics: dict) -> dict:
@@ -310,6 +335,7 @@ def train(
     _validate(model_config, train_config)
     moe_backend = get_backend(backend)  # one that cannot load fails before anything is written
     device_mesh = resolve_mesh(train_config.mesh, model_config, train_config)
+    _check_backend_fits_mesh(backend, moe_backend, device_mesh)
     train_data, eval_data = make_datasets(train_config, model_config.vocab_size)
     for split, dataset in (("train", train_data), ("eval", eval_data)):
         # one batch of each split, so that data too short for a window fails before any step
@@ -348,6 +374,7 @@ def train(
         "steps": train_config.steps,
         "out_dir": out_dir,
         "backend": backend,
+        "backend_resolved": resolve_backend_name(backend),
         "mesh": None if device_mesh is None else dict(device_mesh.shape),
         "n_params": sum(x.size for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))),
     }
@@ -453,6 +480,7 @@ def train(
         json.dump(
             {
                 "steps": train_config.steps,
+                "backend": info["backend_resolved"],
                 "final_train": _last(writer.kept + records, "train"),
                 "final_eval": results.final_eval,
                 "layer_names": layer_names,

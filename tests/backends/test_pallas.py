@@ -186,13 +186,13 @@ def test_auto_picks_pallas_with_a_fallback_on_hopper(monkeypatch):
     monkeypatch.setattr(backends, "_is_hopper", lambda: True)
     monkeypatch.setattr(backends, "_has_gpu", lambda: True)
     monkeypatch.setattr(pallas, "load_kernels", lambda: None)
-    backends._auto.cache_clear()
+    backends._auto_choice.cache_clear()
     try:
         chosen = backends.get_backend("auto")
         assert type(chosen.gmm) is pallas.PallasGroupedMatmul
         assert chosen.gmm.kernels == "dropless"
         assert type(chosen.gmm.fallback) is CapacityGroupedMatmul
-        backends._auto.cache_clear()
+        backends._auto_choice.cache_clear()
 
         def kernels_missing():
             raise BackendUnavailableError("Mosaic GPU kernels are not importable")
@@ -202,7 +202,7 @@ def test_auto_picks_pallas_with_a_fallback_on_hopper(monkeypatch):
             chosen = backends.get_backend("auto")
         assert type(chosen.gmm) is CapacityGroupedMatmul
     finally:
-        backends._auto.cache_clear()
+        backends._auto_choice.cache_clear()
 
 
 def test_pallas_on_a_gpu_before_hopper_is_unavailable(monkeypatch):

@@ -8,6 +8,7 @@ the module (tests/conftest.py drops compiled programs between modules).
 import dataclasses
 import json
 import math
+import warnings
 
 import equinox as eqx
 import jax
@@ -23,6 +24,7 @@ from dropless.train import (
     TrainingDiverged,
     config_dict,
     init_state,
+    loop,
     read_jsonl,
     train,
 )
@@ -198,6 +200,14 @@ def test_token_file_training_and_out_of_vocabulary_ids(tmp_path):
     tokens.tofile(bad)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         train(TINY, config(data=str(bad)), backend="jnp", out_dir=str(tmp_path / "bad"))
+
+
+def test_a_warmup_longer_than_the_run_warns():
+    with pytest.warns(UserWarning, match=r"warmup_steps \(20\) > steps \(5\): the learning"):
+        loop._validate(TINY, config(steps=5, warmup_steps=20))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loop._validate(TINY, config(steps=20, warmup_steps=20))  # reaches lr at the last step
 
 
 def test_bad_settings_are_clear_errors(tmp_path):
