@@ -116,7 +116,7 @@ def _from_options(options: Any) -> DeepSeekV3Config:
 @dataclasses.dataclass(frozen=True)
 class TrainCommand:
     """Train a DeepSeek-V3-shaped MoE. Without options: the `tiny` preset on the built-in
-    synthetic corpus, on CPU, in about two minutes; prints where results went (metrics JSONL,
+    synthetic corpus, on CPU, in about a minute; prints where results went (metrics JSONL,
     plots, checkpoints)."""
 
     model: ModelOptions  # type: ignore[valid-type]
@@ -140,7 +140,7 @@ class TrainCommand:
     """Dotted overrides applied last, values in YAML: --set model.n_routed_experts=32
     train.lr=1e-3."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show a progress bar (without it, only the evaluations print, a line each)."""
     compile_cache: bool = True
     """Keep compiled steps in a persistent cache (~/.cache/dropless/jax, or
     $JAX_COMPILATION_CACHE_DIR), so later runs of the same shapes start in seconds."""
@@ -311,6 +311,8 @@ def _list_presets() -> None:
     from dropless.models.deepseek_v3 import count_params
 
     def human(n: int) -> str:
+        if n == 0:
+            return "-"
         return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
     print(f"{'preset':<18} {'total':>8} {'active':>8} {'mtp':>8}")
@@ -362,7 +364,7 @@ def _backend_label(backend: str) -> str:
 def _train(command: TrainCommand) -> int:
     from dropless.train.checkpoint import CheckpointError
     from dropless.train.loop import TrainingDiverged, train
-    from dropless.train.metrics import ProgressBar
+    from dropless.train.metrics import EvalLines, ProgressBar
 
     model, train_config = command.configs()
     if train_config.resume and command.out_dir is None:
@@ -389,7 +391,7 @@ def _train(command: TrainCommand) -> int:
             train_config,
             backend=command.backend,
             out_dir=out_dir,
-            callbacks=[bar] if bar else [],
+            callbacks=[bar] if bar else [EvalLines(file=sys.stdout)],
         )
     except (TrainingDiverged, CheckpointError) as err:
         if bar:

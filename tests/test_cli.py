@@ -41,6 +41,12 @@ def test_train_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     for name in ("metrics.jsonl", "checkpoints", "loss.png", "expert_load.png"):
         assert str(out / name) in printed
+    assert "backend jnp)" in printed  # the header
+    # without a progress bar (--no-progress) the evaluations still print, a line each
+    assert [line.split(":")[0] for line in printed.splitlines() if ": eval loss" in line] == [
+        "step 3",
+        "step 6",
+    ]
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["split"] == "train"]
@@ -294,6 +300,13 @@ def test_help_explains_every_option(capsys):
 
 
 def test_presets_lists_sizes(capsys):
+    """Every preset with its sizes: DeepSeek-V3's published 671B total and 37B active, and no
+    MTP module where a preset has none."""
     assert cli.main(["presets"]) == 0
-    out = capsys.readouterr().out
-    assert "deepseek-v3-671b" in out and "tiny" in out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["preset", "total", "active", "mtp"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    assert set(rows) == set(cli.PRESETS)
+    assert rows["deepseek-v3-671b"][:2] == ["671.0B", "37.6B"]
+    assert rows["deepseek-v2-lite"][2] == "-"  # num_nextn_predict_layers = 0
+    assert rows["tiny"][0].endswith("M")

@@ -179,7 +179,15 @@ _STRATEGIES = (AbstractDispatcher, AbstractGroupedMatmul, AbstractTopK)
 
 
 def with_backend(model, backend: "str | Backend"):
-    """The same model (same arrays) with every MoE stage's strategy replaced by `backend`'s."""
+    """The same model (same arrays) with every MoE stage's strategy replaced by `backend`'s.
+
+    `backend`: a registry name (`BACKENDS`: "jnp", "jnp-capacity", "pallas", "te", ...), "auto"
+    (the best this machine runs, `resolve_backend_name` says which), or a `Backend` of your own
+    strategies. `model` is any pytree holding MoE layers (a `MoE`, a `DeepSeekV3`, a list of
+    them): every dispatcher, grouped matmul and (unless the bundle's `topk` is None) router
+    top-k in it is swapped; nothing else changes, so outputs agree across backends up to
+    rounding. A name whose dependencies are missing raises `BackendUnavailableError` saying
+    what to install."""
     bundle = get_backend(backend)
 
     def swap(node):

@@ -24,7 +24,14 @@ from dropless.train.loop import (
     make_datasets,
     train,
 )
-from dropless.train.metrics import Callback, MetricsWriter, ProgressBar, TensorBoard, read_jsonl
+from dropless.train.metrics import (
+    Callback,
+    EvalLines,
+    MetricsWriter,
+    ProgressBar,
+    TensorBoard,
+    read_jsonl,
+)
 from dropless.train.optim import (
     expert_bias_filter,
     learning_rate,
@@ -49,6 +56,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "MetricsWriter",
+    "EvalLines",
     "ProgressBar",
     "SyntheticCorpus",
     "TensorBoard",

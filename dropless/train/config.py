@@ -11,7 +11,8 @@ class TrainConfig:
     """Settings of a training run (optimiser, data, losses, checkpoints, logging).
 
     The defaults train the `tiny` preset on the built-in synthetic corpus on a 2-core CPU in
-    about two minutes (cross-entropy from 6.6 to about 1.4 nats; uniform is 6.2).
+    about a minute (36 and 58 s on 2026-12-05, with and without the compile cache;
+    cross-entropy from 6.6 to about 1.4 nats; uniform is 6.2).
     """
 
     # --- length and batch ---

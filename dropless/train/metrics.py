@@ -127,6 +127,25 @@ class Callback:
         """After the run (not called when it stops on an error)."""
 
 
+def eval_line(record: dict) -> str:
+    """One evaluation record as a line of text."""
+    return (
+        f"step {record['step']}: eval loss {record['loss']:.4f} "
+        f"(ce {record['ce']:.4f}, max_vio {record['max_vio']:.3f})"
+    )
+
+
+class EvalLines(Callback):
+    """Prints each evaluation as a line (`eval_line`), and nothing else: the output of a run
+    without a progress bar."""
+
+    def __init__(self, file=None):
+        self._file = file
+
+    def on_eval(self, record: dict) -> None:
+        print(eval_line(record), file=self._file, flush=True)
+
+
 class ProgressBar(Callback):
     """A tqdm progress bar with loss, MaxVio and throughput; eval results as lines."""
 
@@ -151,11 +170,7 @@ class ProgressBar(Callback):
         self._bar.update(record["step"] - self._bar.n)
 
     def on_eval(self, record: dict) -> None:
-        self._bar.write(
-            f"step {record['step']}: eval loss {record['loss']:.4f} "
-            f"(ce {record['ce']:.4f}, max_vio {record['max_vio']:.3f})",
-            file=self._kwargs.get("file"),
-        )
+        self._bar.write(eval_line(record), file=self._kwargs.get("file"))
 
     def on_end(self, results) -> None:
         self.close()
