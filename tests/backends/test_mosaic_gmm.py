@@ -120,7 +120,9 @@ def test_swiglu_kernel_equals_the_matmul_and_its_swiglu_in_the_interpreter(monke
     config = mosaic_gmm.KernelConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, band=2)
     x = jax.random.normal(jax.random.key(0), (rows, k), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
-    for seed in (1, 2):  # a row or column left unstored keeps the first call's value
+    # two calls: a row or column left unstored keeps the first call's value (one with the
+    # scale, whose stores are the same code; the interpreter takes ~10 s a call)
+    for seed in (1,) if scaled else (1, 2):
         keys = jax.random.split(jax.random.key(seed))
         w_gate, w_up = (
             (jax.random.normal(key, (5, k, hidden)) / 8).astype(jnp.bfloat16) for key in keys
