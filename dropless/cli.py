@@ -295,18 +295,6 @@ def _resumed_config(command: "TrainCommand | PresetsCommand") -> str | None:
     return path if command.configs()[1].resume and os.path.isfile(path) else None
 
 
-def _enable_compile_cache() -> None:
-    import jax
-
-    if not jax.config.jax_compilation_cache_dir:
-        cache = os.path.join(
-            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dropless", "jax"
-        )
-        jax.config.update("jax_compilation_cache_dir", cache)
-    # the model's initialisation compiles many small programs: keep those too
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
 def _list_presets() -> None:
     from dropless.models.deepseek_v3 import count_params
 
@@ -372,7 +360,9 @@ def _train(command: TrainCommand) -> int:
     name = run_name(command, train_config.resume)
     out_dir = command.out_dir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if command.compile_cache:
-        _enable_compile_cache()
+        from dropless.train.compile_cache import enable_compile_cache
+
+        enable_compile_cache()
     data = "the synthetic corpus" if train_config.data == "synthetic" else train_config.data
     verb = "resuming" if train_config.resume else "training"
     mesh = f", mesh {train_config.mesh}" if train_config.mesh else ""

@@ -7,6 +7,7 @@ results = train(get_preset("tiny"), TrainConfig(steps=200), out_dir="runs/tiny")
 """
 
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
+from dropless.train.compile_cache import enable_compile_cache
 from dropless.train.config import TrainConfig
 from dropless.train.cross_entropy import cross_entropy, head_cross_entropy
 from dropless.train.data import (
@@ -66,6 +67,7 @@ __all__ = [
     "TrainState",
     "TrainingDiverged",
     "config_dict",
+    "enable_compile_cache",
     "cross_entropy",
     "eval_step",
     "evaluate",
