@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from dropless.nn.mlp import gate_up, init_linear, swiglu, swiglu_grad
+from dropless.nn.mlp import gate_up, init_linear, swiglu, swiglu_grad_in_blocks
 
 
 class AbstractGroupedMatmul(eqx.Module):
@@ -64,8 +64,8 @@ def swiglu_scaled(
     gate_and_up: Float[Array, "rows gate_up"], scale: Float[Array, " rows"]
 ) -> Float[Array, "rows hidden"]:
     """`swiglu(gate_and_up) * scale[:, None]`, in float32, rounded to the input's dtype. The
-    backward keeps only the inputs: it recomputes the SwiGLU for the scale's gradient, in the
-    same elementwise pass that takes the input's, so no `[rows hidden]` array is kept for it."""
+    backward keeps only the inputs: it recomputes the SwiGLU for the scale's gradient, over the
+    same view as the input's (`swiglu_grad_in_blocks`), so no `[rows hidden]` array is kept."""
     gate, up = (h.astype(jnp.float32) for h in jnp.split(gate_and_up, 2, axis=-1))
     return (jax.nn.silu(gate) * up * scale[:, None].astype(jnp.float32)).astype(gate_and_up.dtype)
 
@@ -76,12 +76,9 @@ def _swiglu_scaled_fwd(gate_and_up, scale):
 
 def _swiglu_scaled_bwd(res, d_out):
     gate_and_up, scale = res
-    gate, up = (h.astype(jnp.float32) for h in jnp.split(gate_and_up, 2, axis=-1))
-    d_out = d_out.astype(jnp.float32)
-    d_scale = jnp.sum(jax.nn.silu(gate) * up * d_out, axis=-1).astype(scale.dtype)
-    d_gate, d_up = swiglu_grad(gate, up, d_out * scale[:, None].astype(jnp.float32))
-    d_gate_and_up = jnp.concatenate([d_gate, d_up], axis=-1)
-    return d_gate_and_up.astype(gate_and_up.dtype), d_scale
+    hidden = gate_and_up.shape[-1] // 2  # one block: all gate, then all up
+    d_gate_and_up, d_scale = swiglu_grad_in_blocks(gate_and_up, d_out, hidden, scale)
+    return d_gate_and_up.astype(gate_and_up.dtype), d_scale.astype(scale.dtype)
 
 
 swiglu_scaled.defvjp(_swiglu_scaled_fwd, _swiglu_scaled_bwd)

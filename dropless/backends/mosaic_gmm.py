@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from dropless.nn.mlp import swiglu_grad
+from dropless.nn.mlp import swiglu_grad_in_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,33 +191,14 @@ def swiglu_grad_interleaved(
     gate_up: Float[Array, "rows gate_up"],
     d_hidden: Float[Array, "rows hidden"],
     config: KernelConfig | None = None,
-) -> Float[Array, "rows gate_up"]:
-    """The gradient of `silu(gate) * up` with respect to an `interleave_gate_up`-ordered
-    `gate_up`, in that order, float32. One elementwise expression over the [rows, blocks, 2,
-    block] view: each element computes its pair's sigmoid and picks its own formula, so XLA
-    fuses it all into one pass. Splitting, differentiating and interleaving again took three
-    kernels and 2.4x the time (docs/benchmarks.md, twenty-first run)."""
-    rows, width = gate_up.shape
-    block = _interleave_block(width // 2, config)
-    pairs = gate_up.reshape(rows, width // 2 // block, 2, block).astype(jnp.float32)
-    gate, up = pairs[:, :, :1], pairs[:, :, 1:]
-    d_out = d_hidden.reshape(rows, width // 2 // block, 1, block).astype(jnp.float32)
-    d_gate, d_up = swiglu_grad(gate, up, d_out)
-    is_gate = lax.broadcasted_iota(jnp.int32, (1, 1, 2, 1), 2) == 0
-    return jnp.where(is_gate, d_gate, d_up).reshape(rows, width)
-
-
-def swiglu_interleaved(
-    gate_up: Float[Array, "rows gate_up"], config: KernelConfig | None = None
-) -> Float[Array, "rows hidden"]:
-    """`silu(gate) * up` in float32, in the hidden units' order, from an
-    `interleave_gate_up`-ordered `gate_up`: what `grouped_matmul_swiglu` computes in its
-    epilogue, for a backward that needs it again (a scale's gradient) without keeping it."""
-    rows, width = gate_up.shape
-    block = _interleave_block(width // 2, config)
-    pairs = gate_up.reshape(rows, width // 2 // block, 2, block).astype(jnp.float32)
-    hidden = jax.nn.silu(pairs[:, :, 0]) * pairs[:, :, 1]
-    return hidden.reshape(rows, width // 2)
+    *,
+    row_scale: Float[Array, " rows"] | None = None,
+) -> tuple[Float[Array, "rows gate_up"], Float[Array, " rows"] | None]:
+    """The gradients of `silu(gate) * up` (times `row_scale[r]` per row, if given) with
+    respect to an `interleave_gate_up`-ordered `gate_up`, in that order, and to `row_scale`
+    (None without one), float32, in one pass (`nn.mlp.swiglu_grad_in_blocks`)."""
+    block = _interleave_block(gate_up.shape[1] // 2, config)
+    return swiglu_grad_in_blocks(gate_up, d_hidden, block, row_scale)
 
 
 def _interleave_block(hidden: int, config: KernelConfig | None) -> int:

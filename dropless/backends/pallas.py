@@ -200,13 +200,10 @@ def _swiglu_bwd(res, d_hidden):
     from dropless.backends import mosaic_gmm
 
     rows, w, group_sizes, gate_up, row_scale = res
-    d_scale = None
-    if row_scale is not None:  # one pass with the SwiGLU's gradient, if XLA fuses them
-        d_hidden = d_hidden.astype(jnp.float32)
-        hidden = mosaic_gmm.swiglu_interleaved(gate_up)
-        d_scale = jnp.sum(hidden * d_hidden, axis=1).astype(row_scale.dtype)
-        d_hidden = d_hidden * row_scale[:, None].astype(jnp.float32)
-    d_gate_up = mosaic_gmm.swiglu_grad_interleaved(gate_up, d_hidden).astype(rows.dtype)
+    d_gate_up, d_scale = mosaic_gmm.swiglu_grad_interleaved(gate_up, d_hidden, row_scale=row_scale)
+    d_gate_up = d_gate_up.astype(rows.dtype)
+    if d_scale is not None:
+        d_scale = d_scale.astype(row_scale.dtype)
     d_rows = row_op("dgrad", d_gate_up, w, group_sizes, "dropless")
     d_w = _weight_grad(rows, d_gate_up, group_sizes, "dropless").astype(w.dtype)
     return d_rows, d_w, None, d_scale

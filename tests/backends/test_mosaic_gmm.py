@@ -319,30 +319,32 @@ def test_a_layout_mosaic_cannot_take_fails_when_lowering_on_the_cpu(lowered):
         )
 
 
-def test_swiglu_grad_interleaved_equals_autodiff_of_the_split_halves():
-    """The one-pass gradient in the interleaved layout against jax.vjp of silu(gate) * up on
-    the halves `split_gate_up` gives, interleaved again (fails if gate and up swap roles)."""
+@pytest.mark.parametrize("scaled", [False, True])
+def test_swiglu_grad_interleaved_equals_autodiff_of_the_split_halves(scaled):
+    """The one-pass gradient in the interleaved layout against jax.vjp of
+    silu(gate) * up (* scale per row, `scaled`) on the halves `split_gate_up` gives,
+    interleaved again (fails if gate and up swap roles), and the scale's gradient."""
     config = mosaic_gmm.KernelConfig(tile_n=64)
-    keys = jax.random.split(jax.random.key(3), 2)
+    keys = jax.random.split(jax.random.key(3), 3)
     gate_up = 3.0 * jax.random.normal(keys[0], (40, 256), jnp.float32)
     d_hidden = jax.random.normal(keys[1], (40, 128), jnp.float32)
+    scale = jax.random.uniform(keys[2], (40,), minval=0.1, maxval=2.0)
     gate, up = mosaic_gmm.split_gate_up(gate_up, config)
-    _, vjp = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)
-    want = mosaic_gmm.interleave_gate_up(*vjp(d_hidden), config)
-    got = mosaic_gmm.swiglu_grad_interleaved(gate_up, d_hidden, config)
+    _, vjp = jax.vjp(lambda g, u, s: jax.nn.silu(g) * u * s[:, None], gate, up, scale)
+    d_gate, d_up, want_d_scale = vjp(d_hidden)
+    if not scaled:
+        _, vjp = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)
+        d_gate, d_up = vjp(d_hidden)
+    want = mosaic_gmm.interleave_gate_up(d_gate, d_up, config)
+    got, d_scale = mosaic_gmm.swiglu_grad_interleaved(
+        gate_up, d_hidden, config, row_scale=scale if scaled else None
+    )
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-
-
-def test_swiglu_interleaved_is_the_swiglu_of_the_split_halves():
-    """What the fused kernel's epilogue computes, from the interleaved layout, in the hidden
-    units' order (fails if gate and up swap roles or the blocks come out of order)."""
-    config = mosaic_gmm.KernelConfig(tile_n=64)
-    gate_up = 3.0 * jax.random.normal(jax.random.key(5), (40, 256), jnp.float32)
-    gate, up = mosaic_gmm.split_gate_up(gate_up, config)
-    got = mosaic_gmm.swiglu_interleaved(gate_up, config)
-    assert got.shape == (40, 128) and got.dtype == jnp.float32
-    np.testing.assert_allclose(got, jax.nn.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    if scaled:
+        np.testing.assert_allclose(d_scale, want_d_scale, rtol=1e-5, atol=1e-5)
+    else:
+        assert d_scale is None
 
 
 def test_a_row_scale_of_the_wrong_length_is_named(unchecked):
