@@ -68,7 +68,11 @@ def test_unrolled_scan_equals_scan(n):
     got = jax.grad(lambda f: loss(unrolled_scan, f), has_aux=True)(floats)
     want = jax.grad(lambda f: loss(jax.lax.scan, f), has_aux=True)(floats)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        # the two compile to differently fused programs, whose float32 sums round in another
+        # order: a few ulps of the leaf's largest value apart (7.9e-6 relative on a small
+        # element measured on an AMD EPYC CI box; under 1e-6 on the boxes before)
+        scale = float(np.max(np.abs(b))) if np.issubdtype(b.dtype, np.floating) else 0.0
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=4 * np.finfo(np.float32).eps * scale)
 
 
 def test_unrolled_scan_needs_a_layer():
