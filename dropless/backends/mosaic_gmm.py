@@ -67,7 +67,7 @@ def config_for(out_width: int) -> KernelConfig:
 
 
 def tile_schedule(
-    group_sizes: Int[Array, " groups"], rows: int, tile_m: int
+    group_sizes: Int[Array, " experts"], rows: int, tile_m: int
 ) -> tuple[Int[Array, "4 slots"], Int[Array, "1"]]:
     """Work items of the row loop, in row order: (group, the tile's first row / `ROW_ALIGN`,
     first, end), the last two as offsets within the tile; and how many items are real. Each
@@ -108,13 +108,13 @@ def _chain_fits(steps: int, c: KernelConfig) -> bool:
 
 
 def grouped_matmul(
-    lhs: Float[Array, "rows k"],
-    rhs: Float[Array, "groups _ _"],
-    group_sizes: Int[Array, " groups"],
+    lhs: Float[Array, "rows in_"],
+    rhs: Float[Array, "experts _ _"],
+    group_sizes: Int[Array, " experts"],
     *,
     transpose_rhs: bool = False,
     config: KernelConfig | None = None,
-) -> Float[Array, "rows n"]:
+) -> Float[Array, "rows out"]:
     """`lhs` times each group's `rhs[e]`, `[k n]` (or `[n k]` with `transpose_rhs`), in the
     operands' dtype (bf16 or f16) with float32 accumulation."""
     rows, k = lhs.shape
@@ -130,9 +130,9 @@ def grouped_matmul(
 
 
 def grouped_matmul_swiglu(
-    lhs: Float[Array, "rows k"],
-    rhs: Float[Array, "groups k gate_up"],
-    group_sizes: Int[Array, " groups"],
+    lhs: Float[Array, "rows in_"],
+    rhs: Float[Array, "experts in_ gate_up"],
+    group_sizes: Int[Array, " experts"],
     *,
     row_scale: Float[Array, " rows"] | None = None,
     config: KernelConfig | None = None,
@@ -164,10 +164,10 @@ def grouped_matmul_swiglu(
 
 
 def interleave_gate_up(
-    w_gate: Float[Array, "*lead k hidden"],
-    w_up: Float[Array, "*lead k hidden"],
+    w_gate: Float[Array, "*lead in_ hidden"],
+    w_up: Float[Array, "*lead in_ hidden"],
     config: KernelConfig | None = None,
-) -> Float[Array, "*lead k gate_up"]:
+) -> Float[Array, "*lead in_ gate_up"]:
     """Gate and up side by side in blocks of `tile_n // 2` columns (gate block 0, up block 0,
     gate block 1, ...) along the last axis: the weights' layout that `grouped_matmul_swiglu`
     takes, and the order of its gate-and-up output. `split_gate_up` undoes it."""
@@ -559,12 +559,12 @@ def weight_grad_fits(k: int, n: int, config: WeightGradConfig | None = None) -> 
 
 
 def grouped_weight_grad(
-    lhs: Float[Array, "rows k"],
-    grad: Float[Array, "rows n"],
-    group_sizes: Int[Array, " groups"],
+    lhs: Float[Array, "rows in_"],
+    grad: Float[Array, "rows out"],
+    group_sizes: Int[Array, " experts"],
     *,
     config: WeightGradConfig | None = None,
-) -> Float[Array, "groups k n"]:
+) -> Float[Array, "experts in_ out"]:
     """`lhs[rows of e].T @ grad[rows of e]` for every group e (zeros for an empty group), in
     the operands' dtype with float32 accumulation. Rows past the last group are ignored."""
     rows, k = lhs.shape
@@ -589,7 +589,7 @@ def _segment_count(rows: int, n_groups: int, c: WeightGradConfig) -> int:
 
 
 def expert_segments(
-    group_sizes: Int[Array, " groups"], rows: int, segments: int
+    group_sizes: Int[Array, " experts"], rows: int, segments: int
 ) -> Int[Array, " segments_plus_1"]:
     """The first group of each of `segments` runs of consecutive groups, and the group count at
     the end: a run starts at the first group that starts at or past its share of the rows, so
