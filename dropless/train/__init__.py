@@ -9,7 +9,7 @@ results = train(get_preset("tiny"), TrainConfig(steps=200), out_dir="runs/tiny")
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.compile_cache import enable_compile_cache
 from dropless.train.config import TrainConfig
-from dropless.train.cross_entropy import cross_entropy, head_cross_entropy
+from dropless.train.cross_entropy import head_cross_entropy  # not the module's namesake
 from dropless.train.data import (
     AbstractDataset,
     Batch,
@@ -68,7 +68,6 @@ __all__ = [
     "TrainingDiverged",
     "config_dict",
     "enable_compile_cache",
-    "cross_entropy",
     "eval_step",
     "evaluate",
     "expert_bias_filter",

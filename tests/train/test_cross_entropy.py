@@ -262,3 +262,14 @@ def _assert_bf16_gradients_agree(chunked, whole, hidden, w):
         np.testing.assert_allclose(
             got.astype(jnp.float32), ref.astype(jnp.float32), atol=2**-7 * scale
         )
+
+
+def test_the_package_does_not_hide_the_module():
+    """`dropless.train` must not re-export the function `cross_entropy`: it would take the
+    submodule's place as the package's attribute (`import ... as` would give the function)."""
+    import inspect
+
+    import dropless.train.cross_entropy as module
+
+    assert inspect.ismodule(module)
+    assert callable(module.cross_entropy)
