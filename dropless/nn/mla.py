@@ -108,7 +108,6 @@ class MLA(eqx.Module):
             else:
                 q = x @ self.q_proj.astype(dt)
             q = q.reshape(batch, seq, h, nope + rope)
-            q_nope = q[..., :nope]
             q_rope = rope_batched(q[..., nope:], positions)
         with jax.named_scope("kv"):
             kv_a = x @ self.kv_a_proj_with_mqa.astype(dt)
@@ -118,9 +117,9 @@ class MLA(eqx.Module):
             k_nope, v = kv[..., :nope], kv[..., nope:]
         with jax.named_scope("attention"):
             if self.impl == "cudnn":
-                out = self._cudnn(q_nope, q_rope, k_nope, k_rope, v)
+                out = self._cudnn(q, q_rope, k_nope, k_rope, v)
             else:
-                out = self._xla(q_nope, q_rope, k_nope, k_rope, v)
+                out = self._xla(q[..., :nope], q_rope, k_nope, k_rope, v)
         return out.reshape(batch, seq, h * self.v_head_dim) @ self.o_proj.astype(dt)
 
     def _xla(self, q_nope, q_rope, k_nope, k_rope, v):
@@ -134,8 +133,10 @@ class MLA(eqx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
-    def _cudnn(self, q_nope, q_rope, k_nope, k_rope, v):
-        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+    def _cudnn(self, q, q_rope, k_nope, k_rope, v):
+        # The rotated part is written over the projection's own rope columns: an update of
+        # a third of q, where a concatenation of its two parts would copy all of it.
+        q = q.at[..., self.qk_nope_head_dim :].set(q_rope)
         k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))
         k = jnp.concatenate([k_nope, k_rope], axis=-1)
         return cudnn_attention(q, k, v, self.scale)
