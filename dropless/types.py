@@ -30,6 +30,7 @@ GLOSSARY: dict[str, str] = {
     "kv_b_out": "MLA kv up-projection output: heads * (qk_nope_head_dim + v_head_dim)",
     "o_in": "MLA output projection input: heads * v_head_dim",
     "two_dim": "2 * dim: the MTP projection input [embedding | hidden]",
+    "head_out": "width of what the MTP modules' shared head returns (vocab; dim for an identity)",
     "in_": "input width of a grouped matmul",
     "out": "output width of a grouped matmul",
 }

@@ -83,10 +83,10 @@ class MTP(eqx.Module):
         self,
         h: Float[Array, "batch seq dim"],
         emb: Float[Array, "batch seq dim"],
-        head: Callable[[Float[Array, "batch seq dim"]], Float[Array, "batch seq out"]],
+        head: Callable[[Float[Array, "batch seq dim"]], Float[Array, "batch seq head_out"]],
         *,
         remat: str = "none",
-    ) -> tuple[Float[Array, "depth batch seq out"], MoEStats | None]:
+    ) -> tuple[Float[Array, "depth batch seq head_out"], MoEStats | None]:
         """Logits of every depth from the main hidden state `h` and token embeddings `emb`
         (`head` of each depth's normed hidden state: the normed state itself for an identity
         `head`).
