@@ -135,7 +135,8 @@ class MLA(eqx.Module):
 
     def _cudnn(self, q, q_rope, k_nope, k_rope, v):
         # The rotated part is written over the projection's own rope columns: an update of
-        # a third of q, where a concatenation of its two parts would copy all of it.
+        # those columns only (a third of q at DeepSeek-V3's 128 + 64), where a concatenation
+        # of q's two parts would copy all of it.
         q = q.at[..., self.qk_nope_head_dim :].set(q_rope)
         k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))
         k = jnp.concatenate([k_nope, k_rope], axis=-1)
