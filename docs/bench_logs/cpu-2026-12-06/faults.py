@@ -1,5 +1,6 @@
 """Fresh pages per call of the 256-expert Dirichlet fwd+bwd of the default grouped matmul and
-of its dense reference (operands and groups as in bench_grouped_matmul.py), with the size of
+of its dense reference (shapes, keys and groups as in bench_grouped_matmul.py; the operands
+are gmm_parts.py's of cpu-2026-12-05, whose dense weight is not scaled), with the size of
 XLA's temporary. `mse` as the argument: a loss whose cotangent depends on the forward output
 (0.5 * sum((f - t) ** 2)) in place of the benchmark's sum(f * cotangent). Twenty-sixth session.
 
