@@ -437,20 +437,20 @@ def _add_row_chunks(drhs, lhs, grad_out, starts, sizes, chunk, per_trip=None):
     )
 
 
-def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, n_experts, dtype):
+def _chunked_weight_grad(lhs, grad_out, group_sizes, chunk, n_experts, dtype, slot_share=1.0):
     """d rhs[e] = sum over the rows r of group e of outer(lhs[r], grad_out[r]), in `dtype`.
 
     When groups are short (a mean of at most two chunks), writing the [experts in out] result
     costs more than the matmuls, and a loop over experts writes it twice (zeros, then each
-    expert). So the first `slots` rows of every group (the mean group size) go through one
-    batched matmul whose output is that buffer, written once; only the rows past the slots
-    are then added chunk by chunk, for the experts that have them.
+    expert). So the first `slots` rows of every group (`slot_share` of the mean group size,
+    rounded up to 8) go through one batched matmul whose output is that buffer, written once;
+    only the rows past the slots are then added chunk by chunk, for the experts that have them.
     """
     rows, width = lhs.shape
     chunk = min(chunk, rows)
     starts, sizes = _group_starts(group_sizes), group_sizes
     if rows // n_experts <= 2 * chunk:
-        slots = min(default_capacity(rows, n_experts, 1.0), rows)
+        slots = min(default_capacity(rows, n_experts, slot_share), rows)
         src, filled = _slot_sources(starts, sizes, slots, rows)
         drhs = _batched_weight_grad(_take_slots(lhs, src, filled), grad_out[src], dtype)
         starts, sizes = starts + slots, jnp.maximum(sizes - slots, 0)
@@ -481,7 +481,23 @@ def _cgmm_bwd(chunk, res, g):
     g = jax.lax.optimization_barrier(g.astype(lhs.dtype))
     dlhs = _chunked_matmul(g, rhs, group_sizes, chunk, 0, contract_rhs_dim=2)
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
-    drhs = _chunked_weight_grad(lhs, g, group_sizes, chunk, rhs.shape[0], dtype)
+    weight_grad = functools.partial(
+        _chunked_weight_grad, chunk=chunk, n_experts=rhs.shape[0], dtype=dtype
+    )
+    # How much of the mean group goes in the weight gradient's slots. On the CPU the slot
+    # gathers sit in XLA's one temporary buffer, and glibc maps a freed block above 32 MiB
+    # afresh, page by page, at every call instead of reusing it: at 256 experts of 32 rows
+    # (256 in, 512 out, float32) half the mean keeps that buffer at 29.4 MB (41.9 with the
+    # whole mean): skewed groups' fwd+bwd went from a median 4.11 to 3.88 times dense, balanced
+    # ones from 3.49 to 3.58 (docs/benchmarks.md, "Half the slots on the CPU"). Elsewhere
+    # every overflow chunk is a loop trip, so the whole mean.
+    drhs = jax.lax.platform_dependent(
+        lhs,
+        g,
+        group_sizes,
+        cpu=functools.partial(weight_grad, slot_share=0.5),
+        default=functools.partial(weight_grad, slot_share=1.0),
+    )
     return dlhs, drhs.astype(rhs.dtype), None
 
 

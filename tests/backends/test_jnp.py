@@ -14,6 +14,7 @@ from dropless.backends.jnp import (
     _chunked_weight_grad,
     _segments,
     _sort_by_expert,
+    chunked_grouped_matmul,
     combine_rows,
     expand_rows,
     sum_copies,
@@ -117,20 +118,21 @@ def test_bf16_combine_sums_in_float32_and_gathers_its_cotangent_in_bf16():
     assert gathered and all(dtype == jnp.bfloat16 for dtype in gathered)
 
 
+@pytest.mark.parametrize("slot_share", [0.5, 1.0])  # 8 or 16 slots (the CPU's, the default's)
 @pytest.mark.parametrize("chunk", [4, 8])  # groups of 3 chunks on average: a loop; of 1.5: slots
 @pytest.mark.parametrize(
     "sizes",
     [[12, 12, 12, 12], [48, 0, 0, 0], [0, 30, 1, 17], [3, 9, 0, 20]],  # the last leaves 16 padding
     ids=["balanced", "one_group", "with_empty", "padded_tail"],
 )
-def test_weight_grad_matches_per_expert_sum(sizes, chunk):
-    """Groups within, past and far past the batched slots (16 rows each, with chunk=8), empty
-    groups, and unused trailing rows."""
+def test_weight_grad_matches_per_expert_sum(sizes, chunk, slot_share):
+    """Groups within, past and far past the batched slots (with chunk=8), empty groups, and
+    unused trailing rows."""
     rows, n_in, n_out = 48, 6, 5
     sizes = jnp.asarray(sizes, jnp.int32)
     lhs = jax.random.normal(jax.random.key(0), (rows, n_in))
     g = jax.random.normal(jax.random.key(1), (rows, n_out))
-    got = _chunked_weight_grad(lhs, g, sizes, chunk, 4, lhs.dtype)
+    got = _chunked_weight_grad(lhs, g, sizes, chunk, 4, lhs.dtype, slot_share)
     ends = np.cumsum(sizes)
     want = np.stack(
         [
@@ -139,6 +141,20 @@ def test_weight_grad_matches_per_expert_sum(sizes, chunk):
         ]
     )
     np.testing.assert_allclose(got, want, **FP32)
+
+
+@pytest.mark.parametrize("platform, slots", [("cpu", 8), ("cuda", 16)])
+def test_weight_grad_slots_are_half_the_mean_group_on_the_cpu(platform, slots):
+    """The gradient lowered for each platform gathers its slots as [experts slots in_]: half
+    the mean group of 12 (rounded up to 8) on the CPU, the whole mean (16) elsewhere."""
+    rows, n_in, n_out, experts = 48, 6, 5, 4
+    sizes = jnp.full((experts,), rows // experts, jnp.int32)
+    grad = jax.jit(jax.grad(lambda a, b: chunked_grouped_matmul(a, b, sizes, 8).sum(), argnums=1))
+    lowered = grad.trace(jnp.ones((rows, n_in)), jnp.ones((experts, n_in, n_out))).lower(
+        lowering_platforms=(platform,)
+    )
+    gathered = {n for n in (8, 16) if f"tensor<{experts}x{n}x{n_in}xf32>" in lowered.as_text()}
+    assert gathered == {slots}
 
 
 # per_trip: nested loops, one chunk per trip of a flat loop, 3 per trip (spare places in the last)
