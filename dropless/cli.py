@@ -26,6 +26,7 @@ import tyro
 import yaml
 
 from dropless.backends import BACKENDS, BackendUnavailableError
+from dropless.host_memory import keep_freed_memory
 from dropless.models.deepseek_v3 import PRESETS, DeepSeekV3Config, get_preset
 from dropless.train.config import TrainConfig
 
@@ -403,6 +404,9 @@ def _train(command: TrainCommand) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `dropless` command; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
+    # CPU training reuses its freed buffers instead of page-faulting them in afresh at every
+    # step (the tiny preset's 200 steps: 21-24 s -> 18-20 s); no effect if JAX already runs
+    keep_freed_memory(warn=False)
     try:
         command = parse(args)
         if isinstance(command, PresetsCommand):

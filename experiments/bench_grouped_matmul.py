@@ -10,9 +10,12 @@ one call, timed just before and just after each strategy. A ratio of 3 means thr
 than dense. Issue 2's targets for the default are at most 3x, 3x and 4x of dense at 8, 64 and 256
 experts. Writes JSON + CSV + a PNG bar plot to --out.
 
-On Linux, `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` backs large buffers with transparent huge
-pages; the 256-expert weight gradient (a fresh 134 MB buffer per call) is bound by page faults
-without it (docs/benchmarks.md). The setting is recorded in the results.
+The 256-expert weight gradient is a 134 MB buffer per call, which glibc page-faults in afresh at
+every call unless it keeps freed memory for reuse: the script first calls
+`dropless.keep_freed_memory()`, as the `dropless` command does (`--glibc-default` leaves the
+allocator as it is). `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` backs large buffers with
+transparent huge pages, which also makes faulting them cheaper (docs/benchmarks.md). Both
+settings are recorded in the results.
 """
 
 import argparse
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from _timing import fwd_bwd, machine, median_time, print_table, write_results
 
+from dropless import keep_freed_memory
 from dropless.backends.jnp import (
     CapacityGroupedMatmul,
     ChunkedGroupedMatmul,
@@ -173,7 +177,13 @@ def main():
     parser.add_argument("--strategies", default="jnp-chunked,jnp-capacity,ragged_dot")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--budget", type=float, default=20.0, help="seconds per measurement")
+    parser.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="leave glibc's allocator as it is (default: dropless.keep_freed_memory())",
+    )
     args = parser.parse_args()
+    kept = False if args.glibc_default else keep_freed_memory()
     args.strategies = args.strategies.split(",")
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     env = [f"GLIBC_TUNABLES={tunables}"] if tunables else []
@@ -186,6 +196,7 @@ def main():
         "dtype": "float32",
         "dirichlet_alpha": args.alpha,
         "chunk": args.chunk or "default_chunk(rows, experts)",
+        "keep_freed_memory": kept,
     }
     print(meta)
     rows = run(args)

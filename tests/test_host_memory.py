@@ -1,0 +1,91 @@
+"""`keep_freed_memory`: glibc reuses freed large buffers instead of faulting in fresh pages.
+
+Checked in fresh interpreters (the setting must come before JAX starts): the default grouped
+matmul's fwd+bwd at 128 experts, whose weight gradient (64 MiB) is too large for a worker
+thread's malloc arena and above glibc's largest mmap threshold, is called repeatedly, and the
+median fresh pages of its later calls are compared with and without the setting (a block is
+now and then faulted in afresh even with it).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dropless import host_memory, keep_freed_memory
+
+GLIBC_LINUX = sys.platform.startswith("linux") and host_memory._is_glibc()
+
+FRESH_PAGES = textwrap.dedent(
+    """
+    import resource, sys
+    import dropless
+    applied = dropless.keep_freed_memory() if sys.argv[1] == "keep" else False
+    import jax, jax.numpy as jnp
+    from dropless.backends.jnp import chunked_grouped_matmul
+    rows, experts = 4096, 128
+    lhs, rhs = jnp.ones((rows, 256)), jnp.ones((experts, 256, 512))
+    group_sizes = jnp.full((experts,), rows // experts, jnp.int32)
+    loss = lambda a, b: chunked_grouped_matmul(a, b, group_sizes, 16).sum()
+    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    for _ in range(8):  # glibc's free lists settle over the first calls
+        jax.block_until_ready(fwd_bwd(lhs, rhs))
+    fresh_mib = []
+    for _ in range(12):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        jax.block_until_ready(fwd_bwd(lhs, rhs))
+        pages = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        fresh_mib.append(pages * resource.getpagesize() / 2**20)
+    print(applied, sorted(fresh_mib)[6])
+    """
+)
+
+
+def _median_fresh_mib_per_call(mode: str) -> tuple[str, float]:
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    run = subprocess.run(
+        [sys.executable, "-c", FRESH_PAGES, mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=True,
+    )
+    applied, mib = run.stdout.split()
+    return applied, float(mib)
+
+
+@pytest.mark.skipif(not GLIBC_LINUX, reason="glibc's allocator only")
+def test_a_freed_large_buffer_is_reused_instead_of_faulted_in():
+    applied, kept_mib = _median_fresh_mib_per_call("keep")
+    assert applied == "True"
+    _, default_mib = _median_fresh_mib_per_call("default")
+    # by default the weight gradient is mmapped and faulted in afresh at every call
+    assert default_mib > 48, default_mib
+    assert kept_mib < 4, kept_mib
+
+
+@pytest.mark.skipif(not GLIBC_LINUX, reason="glibc's allocator only")
+def test_too_late_once_jax_runs(monkeypatch):
+    import jax.numpy as jnp
+
+    jnp.ones(2).block_until_ready()  # JAX has started in this process
+    monkeypatch.setattr(host_memory, "_applied", False)
+    with pytest.warns(RuntimeWarning, match="before the first JAX computation"):
+        assert keep_freed_memory() is False
+    assert keep_freed_memory(warn=False) is False
+
+
+def test_nothing_to_do_off_glibc(monkeypatch):
+    monkeypatch.setattr(host_memory, "_applied", False)
+    monkeypatch.setattr(host_memory, "_is_glibc", lambda: False)
+    assert keep_freed_memory() is False
+
+
+@pytest.mark.parametrize("threshold", [0, 1000, 2**20 - 1])
+def test_bad_threshold_names_the_field(monkeypatch, threshold):
+    monkeypatch.setattr(host_memory, "_applied", False)
+    with pytest.raises(ValueError, match=r"threshold .* at least 1 MiB"):
+        keep_freed_memory(threshold)
