@@ -161,7 +161,7 @@ def plot(rows: list[dict], out: pathlib.Path) -> None:
     fig.savefig(out / "bench_grouped_matmul.png", dpi=120)
 
 
-def main():
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--out", type=pathlib.Path, default=pathlib.Path("results/bench_grouped_matmul")
@@ -182,14 +182,16 @@ def main():
         action="store_true",
         help="leave glibc's allocator as it is (default: dropless.keep_freed_memory())",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     kept = False if args.glibc_default else keep_freed_memory()
     args.strategies = args.strategies.split(",")
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     env = [f"GLIBC_TUNABLES={tunables}"] if tunables else []
     meta = {
         "machine": machine(),
-        "command": " ".join(["cd experiments &&", *env, "python", *sys.argv]),
+        "command": " ".join(
+            ["cd experiments &&", *env, "python", sys.argv[0], *(argv or sys.argv[1:])]
+        ),
         "rows": args.rows,
         "in": args.in_width,
         "out": args.out_width,
@@ -203,6 +205,7 @@ def main():
     write_results(args.out, "grouped_matmul", rows, meta)
     plot(rows, args.out)
     print(f"wrote {args.out}/grouped_matmul.{{json,csv}} and bench_grouped_matmul.png")
+    return rows
 
 
 if __name__ == "__main__":

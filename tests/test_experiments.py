@@ -286,6 +286,24 @@ def test_grouped_gemm_figure_is_redrawn_from_a_results_csv(tmp_path, monkeypatch
         bench_moe.read_rows(other)
 
 
+def test_cpu_grouped_matmul_benchmark_on_toy_shapes(tmp_path, monkeypatch):
+    """bench_grouped_matmul.py (issue 2's CPU table) at toy shapes, glibc left as it is (this
+    process has run JAX, so `keep_freed_memory` could not act), and its record of that."""
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    argv = ["--rows", "512", "--in-width", "32", "--out-width", "64", "--experts", "8"]
+    argv += ["--strategies", "jnp-chunked,jnp-capacity", "--repeats", "2", "--glibc-default"]
+    returned = load("bench_grouped_matmul").main([*argv, "--out", str(tmp_path)])
+    assert (tmp_path / "grouped_matmul.csv").exists()
+    assert (tmp_path / "bench_grouped_matmul.png").stat().st_size > 100
+    results = json.loads((tmp_path / "grouped_matmul.json").read_text())
+    rows, meta = results["rows"], results["meta"]
+    assert len(rows) == 4 and rows == json.loads(json.dumps(returned))
+    assert meta["keep_freed_memory"] is False and "--glibc-default" in meta["command"]
+    for row in rows:  # each strategy timed against dense, and equal to the first one
+        assert row["fwd / dense"] > 0 and row["fwd+bwd / dense"] > 0
+        assert row["rel. diff"] < 1e-5
+
+
 def test_grouped_gemm_benchmark_times_in_rounds(tmp_path, monkeypatch):
     """bench_moe.py's grouped-GEMM table on toy shapes (its CPU smoke run), in two rounds."""
     monkeypatch.syspath_prepend(str(EXPERIMENTS))  # its helpers, _timing and _profile
