@@ -405,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `dropless` command; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     # CPU training reuses its freed buffers instead of page-faulting them in afresh at every
-    # step (the tiny preset's 200 steps: 21-24 s -> 18-20 s); no effect if JAX already runs
+    # step (the tiny preset's 200 steps: 21-24 s -> 18-21 s); no effect if JAX already runs
     keep_freed_memory(warn=False)
     try:
         command = parse(args)

@@ -44,8 +44,11 @@ def keep_freed_memory(threshold: int = 1 << 30, *, warn: bool = True) -> bool:
     global _applied
     if _applied:
         return True
-    if not isinstance(threshold, int) or threshold < 1 << 20:
-        raise ValueError(f"threshold ({threshold!r}) must be an int of at least 1 MiB (2**20)")
+    if not isinstance(threshold, int) or not 1 << 20 <= threshold < 1 << 31:
+        # mallopt takes a C int
+        raise ValueError(
+            f"threshold ({threshold!r}) must be an int from 1 MiB (2**20) to 2**31 - 1 bytes"
+        )
     if not sys.platform.startswith("linux") or not _is_glibc():
         return False
     if xla_bridge.backends_are_initialized():
@@ -58,7 +61,8 @@ def keep_freed_memory(threshold: int = 1 << 30, *, warn: bool = True) -> bool:
         return False
     libc = ctypes.CDLL("libc.so.6")
     settings = [(_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, threshold), (_M_TRIM_THRESHOLD, threshold)]
-    # mallopt returns 1 on success; an older glibc refuses thresholds above 32 MiB
+    # mallopt returns 1 on success; an older glibc refuses thresholds above 32 MiB (the arena
+    # limit then stays set, which alone changes little)
     _applied = all(libc.mallopt(param, value) == 1 for param, value in settings)
     return _applied
 

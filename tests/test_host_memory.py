@@ -84,8 +84,8 @@ def test_nothing_to_do_off_glibc(monkeypatch):
     assert keep_freed_memory() is False
 
 
-@pytest.mark.parametrize("threshold", [0, 1000, 2**20 - 1])
+@pytest.mark.parametrize("threshold", [0, 1000, 2**20 - 1, 2**31])
 def test_bad_threshold_names_the_field(monkeypatch, threshold):
     monkeypatch.setattr(host_memory, "_applied", False)
-    with pytest.raises(ValueError, match=r"threshold .* at least 1 MiB"):
+    with pytest.raises(ValueError, match=r"threshold .* from 1 MiB .* to 2\*\*31 - 1 bytes"):
         keep_freed_memory(threshold)
