@@ -42,14 +42,14 @@ def keep_freed_memory(threshold: int = 1 << 30, *, warn: bool = True) -> bool:
     `warn=False`). Calling it again is harmless.
     """
     global _applied
-    if _applied:
-        return True
     if not isinstance(threshold, int) or not 1 << 20 <= threshold < 1 << 31:
         # mallopt takes a C int
         raise ValueError(
             f"threshold ({threshold!r}) must be an int from 1 MiB (2**20) to 2**31 - 1 bytes"
         )
-    if not sys.platform.startswith("linux") or not _is_glibc():
+    if _applied:
+        return True
+    if not _is_glibc():
         return False
     if xla_bridge.backends_are_initialized():
         if warn:
@@ -68,6 +68,9 @@ def keep_freed_memory(threshold: int = 1 << 30, *, warn: bool = True) -> bool:
 
 
 def _is_glibc() -> bool:
+    """Whether this process runs on glibc (Linux): the C library whose mallopt is called."""
+    if not sys.platform.startswith("linux"):
+        return False
     try:
         return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
     except (ValueError, OSError, AttributeError):

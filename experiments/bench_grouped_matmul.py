@@ -182,16 +182,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         action="store_true",
         help="leave glibc's allocator as it is (default: dropless.keep_freed_memory())",
     )
-    args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(given)
     kept = False if args.glibc_default else keep_freed_memory()
     args.strategies = args.strategies.split(",")
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     env = [f"GLIBC_TUNABLES={tunables}"] if tunables else []
     meta = {
         "machine": machine(),
-        "command": " ".join(
-            ["cd experiments &&", *env, "python", sys.argv[0], *(argv or sys.argv[1:])]
-        ),
+        "command": " ".join(["cd experiments &&", *env, "python", sys.argv[0], *given]),
         "rows": args.rows,
         "in": args.in_width,
         "out": args.out_width,

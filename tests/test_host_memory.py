@@ -16,7 +16,7 @@ import pytest
 
 from dropless import host_memory, keep_freed_memory
 
-GLIBC_LINUX = sys.platform.startswith("linux") and host_memory._is_glibc()
+GLIBC_LINUX = host_memory._is_glibc()
 
 FRESH_PAGES = textwrap.dedent(
     """
