@@ -1,0 +1,51 @@
+"""Does the grouped forward's slow state belong to where its weights sit in memory? One process:
+10 calls on the weights, then 10 on a fresh copy of them (new pages; the old ones kept alive),
+then 10 on a fresh copy of the rows, then 10 on the first weights again: median ms of each,
+and whether the process's weights are THP-backed (AnonHugePages in /proc/self/smaps_rollup).
+
+    for i in $(seq 30); do python docs/bench_logs/cpu-2026-12-06-s30/fresh_copy_probe.py; done
+"""
+
+import pathlib
+import statistics
+import sys
+import time
+
+import dropless
+
+dropless.keep_freed_memory()
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "experiments"))
+from bench_grouped_matmul import group_sizes  # noqa: E402
+
+from dropless.backends.jnp import ChunkedGroupedMatmul  # noqa: E402
+
+E = 256
+keys = jax.random.split(jax.random.key(0), 4)
+lhs = jax.random.normal(keys[0], (8192, 256))
+rhs = jax.random.normal(keys[2], (E, 256, 512))
+gs = jnp.asarray(group_sizes("dirichlet", E, 8192, 1.0, seed=E), jnp.int32)
+f = jax.jit(lambda a, b: ChunkedGroupedMatmul()(a, b, gs))
+copy = jax.jit(lambda a: a * 1.0 + 0.0)  # a new buffer with the same values
+
+
+def median_ms(a, b, n=10):
+    f(a, b).block_until_ready()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts)
+
+
+first = median_ms(lhs, rhs)
+rhs2 = copy(rhs).block_until_ready()
+fresh_w = median_ms(lhs, rhs2)
+lhs2 = copy(lhs).block_until_ready()
+fresh_x = median_ms(lhs2, rhs)
+again = median_ms(lhs, rhs)
+thp = [line for line in pathlib.Path("/proc/self/smaps_rollup").read_text().splitlines() if "AnonHuge" in line]
+print(f"weights {first:.1f} | fresh weights {fresh_w:.1f} | fresh rows {fresh_x:.1f} | weights again {again:.1f} ms | {thp[0].split()[1]} kB THP")

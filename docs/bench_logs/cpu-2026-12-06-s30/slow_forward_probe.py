@@ -1,0 +1,77 @@
+"""Is the grouped forward's rare slow state (twenty-ninth session: 2x its usual time for a whole
+process) a lack of parallelism? The 256-expert Dirichlet forward of the default grouped matmul,
+30 calls in one process, each followed by a dense matmul of the same FLOPs: median and min ms
+of each, how many calls of each took over 1.5x their minimum, the process's CPU seconds over
+wall seconds during the calls (2 = both cores busy), its context switches, the threads' CPU
+spread, and the machine's steal time over the calls (/proc/stat).
+
+    for i in $(seq 24); do python docs/bench_logs/cpu-2026-12-06-s30/slow_forward_probe.py; done
+"""
+
+import os
+import pathlib
+import resource
+import statistics
+import sys
+import time
+
+import dropless
+
+dropless.keep_freed_memory()
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "experiments"))
+from bench_grouped_matmul import group_sizes  # noqa: E402
+
+from dropless.backends.jnp import ChunkedGroupedMatmul  # noqa: E402
+
+E = 256
+keys = jax.random.split(jax.random.key(0), 4)
+lhs = jax.random.normal(keys[0], (8192, 256))
+rhs = jax.random.normal(keys[2], (E, 256, 512))
+gs = jnp.asarray(group_sizes("dirichlet", E, 8192, 1.0, seed=E), jnp.int32)
+f = jax.jit(lambda a, b: ChunkedGroupedMatmul()(a, b, gs))
+dense = jax.jit(lambda a, b: a @ b)
+w = jax.random.normal(keys[3], (256, 512))
+for _ in range(3):
+    f(lhs, rhs).block_until_ready()
+    dense(lhs, w).block_until_ready()
+
+
+def steal_ticks():
+    return int(pathlib.Path("/proc/stat").read_text().split()[8])
+
+
+def timed(fn, *args):
+    t = time.perf_counter()
+    fn(*args).block_until_ready()
+    return (time.perf_counter() - t) * 1e3
+
+
+def thread_cpu():
+    """CPU seconds of each thread of this process (utime + stime, clock ticks)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        fields = pathlib.Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[tid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+r0, th0, w0 = resource.getrusage(resource.RUSAGE_SELF), thread_cpu(), time.perf_counter()
+s0 = steal_ticks()
+ts, ds = [], []
+for _ in range(30):
+    ts.append(timed(f, lhs, rhs))
+    ds.append(timed(dense, lhs, w))
+steal = steal_ticks() - s0
+r1, th1, wall = resource.getrusage(resource.RUSAGE_SELF), thread_cpu(), time.perf_counter() - w0
+cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+busy = sorted((th1[t] - th0.get(t, 0.0) for t in th1), reverse=True)
+print(
+    f"grouped median {statistics.median(ts):.1f} ms min {min(ts):.1f} "
+    f"slow {sum(t > 1.5 * min(ts) for t in ts)} | dense median {statistics.median(ds):.2f} ms "
+    f"min {min(ds):.2f} slow {sum(d > 1.5 * min(ds) for d in ds)} | steal ticks {steal} | cpu/wall {cpu / wall:.2f} | "
+    f"vol/invol switches {r1.ru_nvcsw - r0.ru_nvcsw}/{r1.ru_nivcsw - r0.ru_nivcsw} | "
+    f"busiest threads s {[round(b, 2) for b in busy[:4]]} of {len(busy)} | affinity {sorted(os.sched_getaffinity(0))}"
+)
