@@ -10,31 +10,15 @@ round trip of a cache line between the two CPUs measured after each 10 s.
     python docs/bench_logs/cpu-2026-12-06-s30/episode_probe.py 900 /tmp/pingpong
 """
 
-import pathlib
 import statistics
 import subprocess
 import sys
 import time
 
-import dropless
+from probe_setup import grouped_forward, jax, lhs, rhs, w
 
-dropless.keep_freed_memory()
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "experiments"))
-from bench_grouped_matmul import group_sizes  # noqa: E402
-
-from dropless.backends.jnp import ChunkedGroupedMatmul  # noqa: E402
-
-E = 256
-keys = jax.random.split(jax.random.key(0), 4)
-lhs = jax.random.normal(keys[0], (8192, 256))
-rhs = jax.random.normal(keys[2], (E, 256, 512))
-w = jax.random.normal(keys[3], (256, 512))
-gs = jnp.asarray(group_sizes("dirichlet", E, 8192, 1.0, seed=E), jnp.int32)
-grouped = jax.jit(lambda a, b: ChunkedGroupedMatmul()(a, b, gs))
-grouped64 = jax.jit(lambda a, b: ChunkedGroupedMatmul(chunk=64)(a, b, gs))
+grouped = grouped_forward()
+grouped64 = grouped_forward(chunk=64)
 dense = jax.jit(lambda a, b: a @ b)
 copy = jax.jit(lambda a: a + 1.0)
 

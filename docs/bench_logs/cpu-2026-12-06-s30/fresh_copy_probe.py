@@ -8,26 +8,11 @@ and whether the process's weights are THP-backed (AnonHugePages in /proc/self/sm
 
 import pathlib
 import statistics
-import sys
 import time
 
-import dropless
+from probe_setup import grouped_forward, jax, lhs, rhs
 
-dropless.keep_freed_memory()
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "experiments"))
-from bench_grouped_matmul import group_sizes  # noqa: E402
-
-from dropless.backends.jnp import ChunkedGroupedMatmul  # noqa: E402
-
-E = 256
-keys = jax.random.split(jax.random.key(0), 4)
-lhs = jax.random.normal(keys[0], (8192, 256))
-rhs = jax.random.normal(keys[2], (E, 256, 512))
-gs = jnp.asarray(group_sizes("dirichlet", E, 8192, 1.0, seed=E), jnp.int32)
-f = jax.jit(lambda a, b: ChunkedGroupedMatmul()(a, b, gs))
+f = grouped_forward()
 copy = jax.jit(lambda a: a * 1.0 + 0.0)  # a new buffer with the same values
 
 
