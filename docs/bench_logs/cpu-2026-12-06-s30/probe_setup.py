@@ -1,9 +1,11 @@
 """What the three probes of this folder share: the allocator setting (before JAX computes
 anything), the 256-expert Dirichlet forward's operands (8192 rows, 256 in, 512 out, float32),
-a dense right-hand side of the same FLOPs, and the default grouped matmul for given groups."""
+a dense right-hand side of the same FLOPs, the default grouped matmul for those groups, and the
+timing of one call."""
 
 import pathlib
 import sys
+import time
 
 import dropless
 
@@ -26,3 +28,10 @@ gs = jnp.asarray(group_sizes("dirichlet", E, 8192, 1.0, seed=E), jnp.int32)
 def grouped_forward(chunk=None):
     """The jitted grouped forward of (rows, weights) over the groups `gs`."""
     return jax.jit(lambda a, b: ChunkedGroupedMatmul(chunk=chunk)(a, b, gs))
+
+
+def call_ms(fn, *args) -> float:
+    """Milliseconds of one call of `fn`, to its result's readiness."""
+    t = time.perf_counter()
+    fn(*args).block_until_ready()
+    return (time.perf_counter() - t) * 1e3

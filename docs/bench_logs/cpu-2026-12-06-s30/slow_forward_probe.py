@@ -5,7 +5,7 @@ of each, how many calls of each took over 1.5x their minimum, the process's CPU 
 wall seconds during the calls (2 = both cores busy), its context switches, the threads' CPU
 spread, and the machine's steal time over the calls (/proc/stat).
 
-    for i in $(seq 24); do python docs/bench_logs/cpu-2026-12-06-s30/slow_forward_probe.py; done
+    for i in $(seq 30); do python docs/bench_logs/cpu-2026-12-06-s30/slow_forward_probe.py; done
 """
 
 import os
@@ -14,7 +14,7 @@ import resource
 import statistics
 import time
 
-from probe_setup import grouped_forward, jax, lhs, rhs, w
+from probe_setup import call_ms, grouped_forward, jax, lhs, rhs, w
 
 f = grouped_forward()
 dense = jax.jit(lambda a, b: a @ b)
@@ -27,12 +27,6 @@ def steal_ticks():
     return int(pathlib.Path("/proc/stat").read_text().split()[8])
 
 
-def timed(fn, *args):
-    t = time.perf_counter()
-    fn(*args).block_until_ready()
-    return (time.perf_counter() - t) * 1e3
-
-
 def thread_cpu():
     """CPU seconds of each thread of this process (utime + stime, clock ticks)."""
     out = {}
@@ -42,20 +36,23 @@ def thread_cpu():
     return out
 
 
-r0, th0, w0 = resource.getrusage(resource.RUSAGE_SELF), thread_cpu(), time.perf_counter()
+usage = resource.getrusage  # of this process
+r0, th0, w0 = usage(resource.RUSAGE_SELF), thread_cpu(), time.perf_counter()
 s0 = steal_ticks()
 ts, ds = [], []
 for _ in range(30):
-    ts.append(timed(f, lhs, rhs))
-    ds.append(timed(dense, lhs, w))
+    ts.append(call_ms(f, lhs, rhs))
+    ds.append(call_ms(dense, lhs, w))
 steal = steal_ticks() - s0
-r1, th1, wall = resource.getrusage(resource.RUSAGE_SELF), thread_cpu(), time.perf_counter() - w0
+r1, th1, wall = usage(resource.RUSAGE_SELF), thread_cpu(), time.perf_counter() - w0
 cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
 busy = sorted((th1[t] - th0.get(t, 0.0) for t in th1), reverse=True)
 print(
     f"grouped median {statistics.median(ts):.1f} ms min {min(ts):.1f} "
     f"slow {sum(t > 1.5 * min(ts) for t in ts)} | dense median {statistics.median(ds):.2f} ms "
-    f"min {min(ds):.2f} slow {sum(d > 1.5 * min(ds) for d in ds)} | steal ticks {steal} | cpu/wall {cpu / wall:.2f} | "
+    f"min {min(ds):.2f} slow {sum(d > 1.5 * min(ds) for d in ds)} | steal ticks {steal} | "
+    f"cpu/wall {cpu / wall:.2f} | "
     f"vol/invol switches {r1.ru_nvcsw - r0.ru_nvcsw}/{r1.ru_nivcsw - r0.ru_nivcsw} | "
-    f"busiest threads s {[round(b, 2) for b in busy[:4]]} of {len(busy)} | affinity {sorted(os.sched_getaffinity(0))}"
+    f"busiest threads s {[round(b, 2) for b in busy[:4]]} of {len(busy)} | "
+    f"affinity {sorted(os.sched_getaffinity(0))}"
 )
