@@ -12,6 +12,8 @@
 #   bash .../next_h200.sh 24 f32,fused32,early,fused_early 1 1
 #   bash .../next_h200.sh 24 fused_early,early,fused32,f32 1 0
 # Make the default whichever wins by 1% or more in both rounds.
+# If only one call is likely (no machine was lent in sessions 25-31): the two ends in both
+# rounds, `bash .../next_h200.sh 24 f32,fused_early 2 1`.
 export PYTHONUNBUFFERED=1
 batch=${1:-24}; variants=${2:-f32,fused32,early,fused_early}; rounds=${3:-1}; tests=${4:-1}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
