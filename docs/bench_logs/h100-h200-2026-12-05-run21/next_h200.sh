@@ -12,8 +12,13 @@
 #   bash .../next_h200.sh 24 f32,fused32,early,fused_early 1 1
 #   bash .../next_h200.sh 24 fused_early,early,fused32,f32 1 0
 # Make the default whichever wins by 1% or more in both rounds.
-# If only one call is likely (no machine was lent in sessions 25-31): the two ends in both
+# If only one call is likely (no machine was lent in sessions 25-32): the two ends in both
 # rounds, `bash .../next_h200.sh 24 f32,fused_early 2 1`.
+# After the A/B, on the same machine (not run by this script):
+#   the batch-24 profile with the winner (docs/bench_logs/h200-2026-12-05-run18/run18d.sh's
+#   command): check the attention scope's q concatenations are gone (137ab83);
+#   cd experiments && python bench_moe.py --skip-layer --strategies pallas   (grouped GEMM table)
+#   python bench_moe.py --skip-gmm --quick --profile --layer-backends jnp-capacity   (issue 2)
 export PYTHONUNBUFFERED=1
 batch=${1:-24}; variants=${2:-f32,fused32,early,fused_early}; rounds=${3:-1}; tests=${4:-1}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
