@@ -92,6 +92,7 @@ BACKENDS: dict[str, Callable[[], Backend]] = {
     "te-gmm": _lazy("dropless.backends.te", "te_gmm_backend"),
     "te-fp8": _lazy("dropless.backends.te", "te_fp8_backend"),
     "pallas": _lazy("dropless.backends.pallas", "pallas_backend"),
+    "tokamax": _lazy("dropless.backends.tokamax", "tokamax_backend"),
     "ep": _lazy("dropless.backends.ep", "ep_backend"),
     "nccl_ep": _lazy("dropless.backends.nccl_ep", "nccl_ep_backend"),
 }
