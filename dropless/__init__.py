@@ -25,8 +25,8 @@ from dropless.dispatch import AbstractDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul, GroupedExperts
 from dropless.host_memory import keep_freed_memory
 from dropless.moe import MoE, MoEStats, routing_stats
-from dropless.nn.mlp import SwiGLU
 from dropless.routing import AbstractTopK, JnpTopK, Routing, RoutingSpec, TopKRouter
+from dropless.swiglu import SwiGLU
 
 __all__ = [
     "BACKENDS",

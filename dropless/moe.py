@@ -8,8 +8,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from dropless import balance
 from dropless.dispatch import AbstractDispatcher
 from dropless.experts import GroupedExperts
-from dropless.nn.mlp import SwiGLU
 from dropless.routing import Routing, RoutingSpec, TopKRouter
+from dropless.swiglu import SwiGLU
 
 
 class MoEStats(eqx.Module):

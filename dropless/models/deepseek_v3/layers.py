@@ -13,13 +13,13 @@ import jax
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from dropless.backends import Backend
+from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.moe import MoE, MoEStats
-from dropless.nn.block import DecoderBlock
 from dropless.nn.mla import MLA
-from dropless.nn.mlp import SwiGLU
 from dropless.nn.unroll import unrolled_scan
 from dropless.precision import cast_for_compute
+from dropless.swiglu import SwiGLU
 
 REMAT: dict[str, Callable | None] = {
     "none": None,

@@ -8,14 +8,14 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from dropless.backends import Backend
 from dropless.balance import update_expert_bias
+from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.models.deepseek_v3.layers import scan_blocks, stack_blocks
 from dropless.models.deepseek_v3.mtp import MTP
 from dropless.moe import MoE, MoEStats
-from dropless.nn.block import DecoderBlock
-from dropless.nn.mlp import init_linear
 from dropless.nn.rmsnorm import RMSNorm
 from dropless.precision import f32_einsum
+from dropless.swiglu import init_linear
 
 
 class ModelOutput(eqx.Module):

@@ -22,12 +22,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from dropless.backends import Backend
+from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.models.deepseek_v3.layers import REMAT, make_block
 from dropless.moe import MoEStats
-from dropless.nn.block import DecoderBlock
-from dropless.nn.mlp import init_linear
 from dropless.nn.rmsnorm import RMSNorm
+from dropless.swiglu import init_linear
 
 
 class SharedHead(eqx.Module):

@@ -6,8 +6,8 @@ from jaxtyping import Array, Float
 
 from dropless.moe import MoE, MoEStats
 from dropless.nn.mla import MLA
-from dropless.nn.mlp import SwiGLU
 from dropless.nn.rmsnorm import RMSNorm
+from dropless.swiglu import SwiGLU
 
 
 class DecoderBlock(eqx.Module):
