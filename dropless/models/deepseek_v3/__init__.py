@@ -1,4 +1,5 @@
-"""DeepSeek-V3 (and V2) at any size: config, model, multi-token prediction, presets, counts."""
+"""DeepSeek-V3 (and V2) at any size: config, model, multi-token prediction, presets, counts,
+and Hugging Face checkpoints (loading, export, the parameter name mapping)."""
 
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.models.deepseek_v3.hf import (
