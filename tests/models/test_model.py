@@ -16,6 +16,7 @@ from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     check_tokens,
     get_preset,
+    layers,
     mtp_targets,
     unstack,
     with_updated_expert_bias,
@@ -349,8 +350,8 @@ def test_return_routing_gives_every_moe_layers_routing(model, tokens):
     out = eqx.filter_jit(lambda m, t: m(t, return_routing=True))(model, tokens)
     np.testing.assert_array_equal(out.logits, plain.logits)
     k, tokens_flat = c.num_experts_per_tok, BATCH * SEQ
-    for stats, layers in ((out.moe_stats, c.n_moe_layers), (out.mtp_moe_stats, 1)):
-        assert stats.expert_ids.shape == stats.weights.shape == (layers, tokens_flat, k)
+    for stats, n_layers in ((out.moe_stats, c.n_moe_layers), (out.mtp_moe_stats, 1)):
+        assert stats.expert_ids.shape == stats.weights.shape == (n_layers, tokens_flat, k)
         loads = jax.vmap(lambda ids: jnp.bincount(ids.ravel(), length=c.n_routed_experts))
         np.testing.assert_array_equal(loads(stats.expert_ids), stats.tokens_per_expert)
     # Layer by layer: the router of each MoE block, on that block's normed input.
@@ -382,4 +383,7 @@ def test_backend_is_a_value():
         DeepSeekV3(c, backend="ragged", key=jax.random.key(0))
     with jaxtyping_disabled(), pytest.raises(TypeError, match=r"get_backend\('ragged'\)"):
         DeepSeekV3(c, backend="ragged", key=jax.random.key(0))
-    assert isinstance(ragged, Backend)
+    # a Backend's None fields keep MoE's defaults: here the router's top-k
+    no_topk = Backend(dispatcher=ragged.dispatcher, gmm=ragged.gmm, topk=None)
+    assert set(layers.moe_strategies(no_topk)) == {"dispatcher", "gmm"}
+    assert layers.moe_strategies(None) == {}
