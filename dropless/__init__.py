@@ -1,8 +1,9 @@
 """dropless: dropless Mixture-of-Experts training in JAX.
 
 The MoE pipeline, stage by stage: `TopKRouter` -> `AbstractDispatcher.dispatch` ->
-`GroupedExperts` -> `AbstractDispatcher.combine`, assembled by `MoE`. Strategies for each stage
-are swapped with `with_backend(model, name_or_backend)`.
+`GroupedExperts` -> `AbstractDispatcher.combine`, assembled by `MoE`. Each stage's strategy is a
+value (`MoE(..., dispatcher=..., gmm=..., topk=...)`, with portable defaults); a built model's
+are swapped with `with_backend(model, backend)`, a `Backend` or a registry name.
 """
 
 from dropless.backends import (
@@ -23,10 +24,9 @@ from dropless.balance import (
 )
 from dropless.dispatch import AbstractDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul, GroupedExperts
-from dropless.host_memory import keep_freed_memory
 from dropless.moe import MoE, MoEStats, routing_stats
-from dropless.nn.mlp import SwiGLU
 from dropless.routing import AbstractTopK, JnpTopK, Routing, RoutingSpec, TopKRouter
+from dropless.swiglu import SwiGLU
 
 __all__ = [
     "BACKENDS",
@@ -47,7 +47,6 @@ __all__ = [
     "available_backends",
     "batch_balance_loss",
     "get_backend",
-    "keep_freed_memory",
     "max_violation",
     "router_z_loss",
     "routing_stats",

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from dropless.nn.mlp import gate_up, init_linear, swiglu, swiglu_grad_in_blocks
+from dropless.swiglu import gate_up, init_linear, swiglu, swiglu_grad_in_blocks
 
 
 class AbstractGroupedMatmul(eqx.Module):

@@ -3,17 +3,22 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from dropless import balance
+from dropless.backends.jnp import ChunkedGroupedMatmul, SortDispatcher
 from dropless.dispatch import AbstractDispatcher
-from dropless.experts import GroupedExperts
-from dropless.nn.mlp import SwiGLU
-from dropless.routing import Routing, RoutingSpec, TopKRouter
+from dropless.experts import AbstractGroupedMatmul, GroupedExperts
+from dropless.routing import AbstractTopK, JnpTopK, Routing, RoutingSpec, TopKRouter
+from dropless.swiglu import SwiGLU
 
 
 class MoEStats(eqx.Module):
-    """What one MoE call reports besides its output. Losses are unweighted; the trainer weighs."""
+    """What one MoE call reports besides its output. Losses are unweighted; the trainer weighs.
+
+    `expert_ids` and `weights` (each token's experts and their weights, `Routing`'s) are there
+    only when asked for (`return_routing=True`); None otherwise, and then they cost nothing.
+    """
 
     tokens_per_expert: Float[Array, " experts"]
     max_vio: Float[Array, ""]
@@ -21,6 +26,8 @@ class MoEStats(eqx.Module):
     seq_balance_loss: Float[Array, ""]  # DeepSeek-V3 sequence-wise
     z_loss: Float[Array, ""]
     dropped: Float[Array, ""]  # copies not computed (always 0 unless an EP buffer overflowed)
+    expert_ids: Int[Array, "tokens k"] | None = None
+    weights: Float[Array, "tokens k"] | None = None
 
 
 def with_loads(
@@ -43,9 +50,14 @@ def with_loads(
 
 
 def routing_stats(
-    routing: Routing, seq_len: int | None = None, dropped: Float[Array, ""] | None = None
+    routing: Routing,
+    seq_len: int | None = None,
+    dropped: Float[Array, ""] | None = None,
+    *,
+    return_routing: bool = False,
 ) -> MoEStats:
-    """Statistics and auxiliary losses of one routing decision."""
+    """Statistics and auxiliary losses of one routing decision (and, with `return_routing`,
+    its expert ids and weights)."""
     tokens, n_experts = routing.scores.shape
     counts = balance.tokens_per_expert(routing.expert_ids, n_experts)
     return MoEStats(
@@ -55,14 +67,17 @@ def routing_stats(
         seq_balance_loss=balance.sequence_balance_loss(routing, seq_len or tokens),
         z_loss=balance.router_z_loss(routing.logits),
         dropped=jnp.zeros((), jnp.float32) if dropped is None else dropped.astype(jnp.float32),
+        expert_ids=routing.expert_ids if return_routing else None,
+        weights=routing.weights if return_routing else None,
     )
 
 
 class MoE(eqx.Module):
     """DeepSeekMoE layer on flat tokens: routed experts (dropless) plus optional shared experts.
 
-    Every strategy (router top-k, dispatcher, grouped matmul) is swappable with
-    `dropless.with_backend` without touching any array.
+    The strategies are values: `topk` (the router's top-k), `dispatcher` and `gmm` (the experts'
+    grouped matmul), by default the portable jnp ones. `dropless.with_backend` swaps them in a
+    built model without touching any array.
 
     `weights_before_down`: each copy's routing weight scales its hidden units, before the
     experts' down projection, and the combine only sums. The same function (the projection is
@@ -85,12 +100,12 @@ class MoE(eqx.Module):
         *,
         n_shared_experts: int = 0,
         dtype=jnp.float32,
-        backend="jnp",
+        dispatcher: AbstractDispatcher = SortDispatcher(),  # noqa: B008 (immutable)
+        gmm: AbstractGroupedMatmul = ChunkedGroupedMatmul(),  # noqa: B008 (immutable)
+        topk: AbstractTopK = JnpTopK(),  # noqa: B008 (immutable)
         weights_before_down: bool = False,
         key: PRNGKeyArray,
     ):
-        from dropless.backends import get_backend  # the registry imports this module
-
         for name, value, least in (
             ("dim", dim, 1),
             ("moe_intermediate_size", moe_intermediate_size, 1),
@@ -100,31 +115,38 @@ class MoE(eqx.Module):
                 raise ValueError(f"MoE: {name} ({value}) must be >= {least}")
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"MoE: dtype ({jnp.dtype(dtype)}) must be a floating-point dtype")
-        bundle = get_backend(backend)
+        for name, value, kind in (
+            ("dispatcher", dispatcher, AbstractDispatcher),
+            ("gmm", gmm, AbstractGroupedMatmul),
+            ("topk", topk, AbstractTopK),
+        ):
+            if not isinstance(value, kind):
+                raise TypeError(f"MoE: {name} must be an {kind.__name__}, got {value!r}")
         k_router, k_experts, k_shared = jax.random.split(key, 3)
-        self.router = TopKRouter(dim, spec, dtype=dtype, topk=bundle.topk, key=k_router)
+        self.router = TopKRouter(dim, spec, dtype=dtype, topk=topk, key=k_router)
         self.experts = GroupedExperts(
-            spec.n_routed_experts,
-            dim,
-            moe_intermediate_size,
-            gmm=bundle.gmm,
-            dtype=dtype,
-            key=k_experts,
+            spec.n_routed_experts, dim, moe_intermediate_size, gmm=gmm, dtype=dtype, key=k_experts
         )
         self.shared = (
             SwiGLU(dim, moe_intermediate_size * n_shared_experts, dtype=dtype, key=k_shared)
             if n_shared_experts
             else None
         )
-        self.dispatcher = bundle.dispatcher
+        self.dispatcher = dispatcher
         self.weights_before_down = weights_before_down
         if weights_before_down:  # here as well as at the call: say so before any tracing
             self.dispatcher.require_row_weights()
 
     def __call__(
-        self, x: Float[Array, "tokens dim"], *, seq_len: int | None = None
+        self,
+        x: Float[Array, "tokens dim"],
+        *,
+        seq_len: int | None = None,
+        return_routing: bool = False,
     ) -> tuple[Float[Array, "tokens dim"], MoEStats]:
-        """`seq_len` groups tokens into sequences for the sequence-wise balance loss."""
+        """`seq_len` groups tokens into sequences for the sequence-wise balance loss;
+        `return_routing` (a Python bool) puts the routing's `expert_ids` and `weights` in the
+        stats."""
         dim = self.router.w_router.shape[1]
         if x.ndim != 2 or x.shape[1] != dim:
             raise ValueError(f"MoE: x must be [tokens dim] with dim = {dim}, got shape {x.shape}")
@@ -141,4 +163,4 @@ class MoE(eqx.Module):
             y = self.dispatcher.combine(y_rows, dispatched, routing)
         if self.shared is not None:
             y = y + self.shared(x)
-        return y, routing_stats(routing, seq_len, dispatched.dropped)
+        return y, routing_stats(routing, seq_len, dispatched.dropped, return_routing=return_routing)

@@ -27,8 +27,8 @@ from _timing import fwd_bwd, machine, median_time, print_table, write_results
 from dropless.backends import BackendUnavailableError, with_backend
 from dropless.backends.jnp import CapacityGroupedMatmul, ChunkedGroupedMatmul, RaggedDot
 from dropless.moe import MoE
-from dropless.nn.mlp import SwiGLU
 from dropless.routing import RoutingSpec
+from dropless.swiglu import SwiGLU
 
 
 def gmm_strategies():

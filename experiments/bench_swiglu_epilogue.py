@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dropless.backends import mosaic_gmm
-from dropless.nn.mlp import swiglu
+from dropless.swiglu import swiglu
 
 
 def measure(cases: list[str], interpret: bool = False) -> list[dict]:

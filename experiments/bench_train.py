@@ -24,7 +24,7 @@ import _profile
 import jax
 from _timing import machine, print_table, write_results
 
-from dropless.backends import BackendUnavailableError
+from dropless.backends import BackendUnavailableError, get_backend
 from dropless.cli import apply_overrides
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, count_params, get_preset
 from dropless.train import TrainConfig, init_state, train_step
@@ -75,7 +75,7 @@ def bench(
     """Median step time and last loss; with `profile_to`, also print where the time goes.
     `micro_batches`: the step's gradient in that many passes (gradient accumulation);
     `moments_dtype`: AdamW's moments' storage (`TrainConfig.moments_dtype`)."""
-    model = DeepSeekV3(config, backend=backend, key=jax.random.key(0))
+    model = DeepSeekV3(config, backend=get_backend(backend), key=jax.random.key(0))
     train_config = TrainConfig(steps=1000, warmup_steps=10, moments_dtype=moments_dtype)
     state = init_state(model, train_config)
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, config.vocab_size)

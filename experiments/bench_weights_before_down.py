@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from dropless.backends import get_backend
+from dropless.backends import get_backend, with_backend
 from dropless.moe import MoE
 from dropless.routing import RoutingSpec
 
@@ -37,10 +37,10 @@ def measure(args) -> list[dict]:
             args.hidden,
             spec,
             dtype=dtype,
-            backend=get_backend(args.backend),
             weights_before_down=before,
             key=jax.random.key(0),
         )
+        moe = with_backend(moe, get_backend(args.backend))
         params, static = eqx.partition(moe, eqx.is_array)
 
         def layer(params, x, static=static):

@@ -87,7 +87,7 @@ def agreement_row(what, name, m, inputs, fwd, grad, ref_y, ref_g, repeats) -> di
 def model_rows(
     config, names: list[str], batch: int, seq: int, repeats: int, seed: int
 ) -> list[dict]:
-    model = DeepSeekV3(config, backend="jnp", key=jax.random.key(seed))
+    model = DeepSeekV3(config, key=jax.random.key(seed))
     window = jnp.asarray(
         SyntheticCorpus(config.vocab_size).batch(0, seed=seed, batch_size=batch, seq_len=seq).tokens
     )

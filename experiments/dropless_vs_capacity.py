@@ -143,7 +143,7 @@ def main(argv=None) -> list[dict]:
         .batch(0, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len, split="eval")
         .tokens
     )
-    init = DeepSeekV3(mc, backend="jnp", key=jax.random.key(args.seed))
+    init = DeepSeekV3(mc, key=jax.random.key(args.seed))
     # The layer-by-layer forward must agree with the model's own. Both compiled: run eagerly,
     # rounding differs by ~1e-6, enough to flip a near-tie in some token's top-k.
     ref = eqx.filter_jit(lambda m, x: m(x).logits)(init, window[:, :-1])

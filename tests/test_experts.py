@@ -6,7 +6,7 @@ import numpy as np
 
 from dropless.backends.jnp import ChunkedGroupedMatmul
 from dropless.experts import GroupedExperts, swiglu_scaled
-from dropless.nn.mlp import swiglu
+from dropless.swiglu import swiglu
 
 FP32 = dict(rtol=2e-5, atol=2e-5)
 

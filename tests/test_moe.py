@@ -16,7 +16,7 @@ from dropless.backends import Backend, BackendUnavailableError, get_backend, wit
 from dropless.backends.jnp import ChunkedGroupedMatmul, SortDispatcher
 from dropless.backends.oracle import oracle_moe
 from dropless.moe import MoE
-from dropless.routing import RoutingSpec
+from dropless.routing import JnpTopK, RoutingSpec
 
 FP32 = dict(rtol=1e-4, atol=1e-5)
 # (spec, shared experts): a handful of layer shapes, so each compiles once per run.
@@ -53,11 +53,13 @@ def moe_case(draw):
 
 
 def build(spec, shared, adversarial, seed, backend, **options):
-    """The layer and 20 tokens. The adversarial routings steer through the tokens' first
-    feature, set to 1: a router row's first weight then shifts that expert's logit for every
-    token alike (by 12, several times the spread of the rest), and the case is checked here."""
+    """The layer, with the strategies of the backend of that name, and 20 tokens. The
+    adversarial routings steer through the tokens' first feature, set to 1: a router row's
+    first weight then shifts that expert's logit for every token alike (by 12, several times
+    the spread of the rest), and the case is checked here."""
     k_model, k_x = jax.random.split(jax.random.key(seed))
-    moe = MoE(12, 10, spec, n_shared_experts=shared, backend=backend, key=k_model, **options)
+    moe = MoE(12, 10, spec, n_shared_experts=shared, key=k_model, **options)
+    moe = with_backend(moe, get_backend(backend))
     x = jax.random.normal(k_x, (20, 12)).at[:, 0].set(1.0)
     w = moe.router.w_router
     half = spec.n_routed_experts // 2
@@ -116,6 +118,9 @@ def test_weights_before_down_equals_the_oracle(case):
     assert jnp.abs(grads[0].router.w_router).sum() > 0
 
 
+KEY = jax.random.key(0)
+
+
 class _NoRowWeights(SortDispatcher):
     supports_row_weights = False
 
@@ -124,10 +129,39 @@ def test_weights_before_down_needs_row_weights():
     spec = SPECS[0][0]
     plain = Backend(dispatcher=_NoRowWeights(), gmm=ChunkedGroupedMatmul())
     with pytest.raises(ValueError, match="weights_before_down=True needs a dispatcher"):
-        MoE(12, 10, spec, backend=plain, weights_before_down=True, key=jax.random.key(0))
+        MoE(12, 10, spec, dispatcher=plain.dispatcher, weights_before_down=True, key=KEY)
     moe = with_backend(MoE(12, 10, spec, weights_before_down=True, key=jax.random.key(0)), plain)
     with pytest.raises(ValueError, match="_NoRowWeights cannot give each row its routing weight"):
         moe(jnp.ones((4, 12)))
+
+
+def test_strategies_are_values_with_defaults():
+    spec = SPECS[0][0]
+    moe = MoE(12, 10, spec, key=jax.random.key(0))
+    assert isinstance(moe.dispatcher, SortDispatcher)
+    assert isinstance(moe.experts.gmm, ChunkedGroupedMatmul)
+    assert isinstance(moe.router.topk, JnpTopK)
+    ragged = get_backend("ragged").gmm
+    moe = MoE(12, 10, spec, gmm=ragged, key=jax.random.key(0))
+    assert moe.experts.gmm is ragged and isinstance(moe.dispatcher, SortDispatcher)
+    with pytest.raises(TypeError):
+        MoE(12, 10, spec, backend="jnp", key=jax.random.key(0))  # names go to get_backend
+    with pytest.raises((TypeError, TypeCheckError), match="gmm"):
+        MoE(12, 10, spec, gmm="ragged", key=jax.random.key(0))
+
+
+def test_return_routing_puts_the_routers_choice_in_the_stats():
+    spec = RoutingSpec(8, 2, "sigmoid", use_expert_bias=True)
+    moe = MoE(12, 10, spec, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (32, 12))
+    y, stats = moe(x, seq_len=8)
+    assert stats.expert_ids is None and stats.weights is None
+    y_r, stats_r = moe(x, seq_len=8, return_routing=True)
+    routing = moe.router(x)
+    np.testing.assert_array_equal(stats_r.expert_ids, routing.expert_ids)
+    np.testing.assert_array_equal(stats_r.weights, routing.weights)
+    np.testing.assert_array_equal(y_r, y)
+    np.testing.assert_array_equal(stats_r.tokens_per_expert, stats.tokens_per_expert)
 
 
 def test_stats_and_nothing_dropped():

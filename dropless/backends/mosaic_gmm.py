@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from dropless.nn.mlp import swiglu_grad_in_blocks
+from dropless.swiglu import swiglu_grad_in_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +196,7 @@ def swiglu_grad_interleaved(
 ) -> tuple[Float[Array, "rows gate_up"], Float[Array, " rows"] | None]:
     """The gradients of `silu(gate) * up` (times `row_scale[r]` per row, if given) with
     respect to an `interleave_gate_up`-ordered `gate_up`, in that order, and to `row_scale`
-    (None without one), float32, in one pass (`nn.mlp.swiglu_grad_in_blocks`)."""
+    (None without one), float32, in one pass (`dropless.swiglu.swiglu_grad_in_blocks`)."""
     block = _interleave_block(gate_up.shape[1] // 2, config)
     return swiglu_grad_in_blocks(gate_up, d_hidden, block, row_scale)
 

@@ -1,12 +1,8 @@
-"""Neural-network building blocks: norms, rotary embeddings, attention, feed-forward, and
-unrolled loops over stacked layers.
-
-`DecoderBlock` lives in `dropless.nn.block` and is not re-exported here: it depends on
-`dropless.moe`, which itself imports `dropless.nn.mlp`, so importing it here would be circular.
-"""
+"""Neural-network building blocks: norms, rotary embeddings, attention, and unrolled loops over
+stacked layers. (The SwiGLU feed-forward network is `dropless.swiglu.SwiGLU`; the decoder block,
+which holds an MoE layer, is the model's: `dropless.models.deepseek_v3.block`.)"""
 
 from dropless.nn.mla import MLA
-from dropless.nn.mlp import SwiGLU
 from dropless.nn.rmsnorm import RMSNorm
 from dropless.nn.rope import RotaryEmbedding, rope_frequencies, softmax_scale, yarn_get_mscale
 from dropless.nn.unroll import split_layers, unrolled_scan
@@ -15,7 +11,6 @@ __all__ = [
     "MLA",
     "RMSNorm",
     "RotaryEmbedding",
-    "SwiGLU",
     "rope_frequencies",
     "softmax_scale",
     "split_layers",

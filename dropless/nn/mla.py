@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from dropless.nn.mlp import init_linear
 from dropless.nn.rmsnorm import RMSNorm
 from dropless.nn.rope import RotaryEmbedding, softmax_scale
 from dropless.precision import f32_einsum
+from dropless.swiglu import init_linear
 
 AttentionImpl = Literal["xla", "cudnn"]
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.backends import Backend, BackendUnavailableError, with_backend
+from dropless.backends import Backend, BackendUnavailableError, get_backend, with_backend
 from dropless.backends.jnp import SortDispatcher
 from dropless.backends.oracle import OneHotGroupedMatmul, oracle_moe
 from dropless.moe import MoE
@@ -472,7 +472,7 @@ def _reference_gradients():
     from dropless.models.deepseek_v3 import DeepSeekV3
 
     config, tokens = _proxy()
-    model = DeepSeekV3(config, backend="jnp-capacity", key=jax.random.key(0))
+    model = DeepSeekV3(config, backend=get_backend("jnp-capacity"), key=jax.random.key(0))
     return model, tokens, _model_gradients(model, tokens)
 
 
@@ -537,7 +537,7 @@ def _training_losses(backend):
 
     config, tokens = _proxy()
     bundle = backend if backend == "jnp-capacity" else _stage_mix(backend)
-    model = DeepSeekV3(config, backend=bundle, key=jax.random.key(0))
+    model = DeepSeekV3(config, backend=get_backend(bundle), key=jax.random.key(0))
     state = init_state(model, TrainConfig(steps=100, warmup_steps=10))
     out = []
     for _ in range(4):

@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from dropless.models.deepseek_v3 import DeepSeekV3, get_preset, unstack
+from dropless.models.deepseek_v3 import (
+    DeepSeekV3,
+    dropless_names,
+    get_preset,
+    hf_names,
+    to_hf,
+    unstack,
+)
 from dropless.models.deepseek_v3.hf import (
     CheckpointError,
     config_from_pretrained,
@@ -25,7 +32,7 @@ from dropless.models.deepseek_v3.hf import (
     iter_checkpoint,
     save_pretrained,
 )
-from dropless.models.deepseek_v3.hf_names import LAYER, check_coverage, tensor_table
+from dropless.models.deepseek_v3.hf.names import LAYER, check_coverage, tensor_table
 
 RTOL = 1e-4  # float32 logits, max |ours - reference| / max |reference|
 BATCH, SEQ = 2, 40  # SEQ > the YaRN cases' original context (32)
@@ -460,6 +467,51 @@ def test_release_names_and_layout(saved):
     )
     hf = json.loads((path / "config.json").read_text())
     assert hf["model_type"] == "deepseek_v3" and hf["num_nextn_predict_layers"] == 1
+
+
+def leaf_at(tree, path: str) -> np.ndarray:
+    """The value at a dropless path (`moe_layers.mlp.experts.w_gate[2][5]`) of a model."""
+    leaf, *indices = path.replace("]", "").split("[")
+    leaves = {
+        jax.tree_util.keystr(p, simple=True, separator="."): x
+        for p, x in jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
+    }
+    return np.asarray(leaves[leaf])[tuple(int(i) for i in indices)]
+
+
+def test_public_name_mapping(saved):
+    """`hf_names` / `dropless_names`: every tensor the export writes has exactly one name in
+    the mapping; the two round-trip; `to_hf` gives the files' tensors, each the mapped leaf (or
+    its transpose: Hugging Face's [out in])."""
+    model, config, path = saved
+    tensors = read_all(path)
+    forward, inverse = hf_names(model), dropless_names(config)
+    assert forward == hf_names(config)
+    assert sorted(inverse) == sorted(tensors)  # each written name once (dict keys: unique)
+    assert len(set(forward.values())) == len(forward)
+    assert all(inverse[name] == p for p, name in forward.items())
+    copies = set(inverse) - set(forward.values())  # the MTP module's embedding and head copies
+    n = config.num_hidden_layers
+    assert copies == {
+        f"model.layers.{n}.embed_tokens.weight",
+        f"model.layers.{n}.shared_head.head.weight",
+    }
+    assert forward["moe_layers.mlp.experts.w_gate[0][3]"] == (
+        f"model.layers.{config.first_k_dense_replace}.mlp.experts.3.gate_proj.weight"
+    )
+    exported = to_hf(model)
+    assert sorted(exported) == sorted(tensors)
+    for name, p in inverse.items():
+        np.testing.assert_array_equal(exported[name], tensors[name], name)
+        leaf = leaf_at(model, p)
+        assert np.array_equal(exported[name], leaf) or np.array_equal(exported[name], leaf.T), name
+    # the same names and layouts for a tree shaped like the model: its gradients
+    grads = eqx.filter_grad(lambda m: m(jnp.zeros((1, 4), jnp.int32)).logits.sum())(model)
+    g = to_hf(grads)
+    np.testing.assert_array_equal(
+        g[forward["moe_layers.mlp.experts.w_down[0][1]"]],
+        np.asarray(grads.moe_layers.mlp.experts.w_down[0, 1]).T,
+    )
 
 
 def test_mtp_option(saved, tmp_path):

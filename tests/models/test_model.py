@@ -1,23 +1,37 @@
 """The DeepSeek-V3 model: scanned == looped, causality by gradients, MTP alignment, full forward
 and gradient through the MoE layers, dtypes, remat, bad input."""
 
+import contextlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 from jaxtyping import TypeCheckError
 
+from dropless.backends import Backend, get_backend, with_backend
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     check_tokens,
     get_preset,
+    layers,
     mtp_targets,
     unstack,
     with_updated_expert_bias,
 )
 
 BATCH, SEQ = 2, 12
+
+
+@contextlib.contextmanager
+def jaxtyping_disabled():
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
 
 
 @pytest.fixture(scope="module")
@@ -181,10 +195,8 @@ def test_full_gradient(value_and_grad):
 
 def test_capacity_gradients_agree_with_chunked_under_scan(model, tokens, value_and_grad):
     """The two pure-jnp grouped matmuls, each a hand-written custom VJP, give the same model
-    gradients inside the scanned layers (TE's permutation did not: docs/benchmarks.md), with
-    rows overflowing jnp-capacity's slots."""
-    from dropless.backends import with_backend
-
+    gradients inside the scanned layers (TE's permutation did not), with rows overflowing
+    jnp-capacity's slots."""
     swapped = with_backend(model, "jnp-capacity")
     long_tokens = jax.random.randint(jax.random.key(5), (4, 48), 0, 512)  # 384 copies, 16 experts
     loads = eqx.filter_jit(lambda m, t: m(t).moe_stats.tokens_per_expert)(model, long_tokens)
@@ -326,3 +338,52 @@ def test_bad_tokens(model):
         model(jnp.zeros((8,), jnp.int32))
     with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
         jax.jit(lambda t: model(t))(jnp.zeros((1, 513), jnp.int32))
+
+
+def test_return_routing_gives_every_moe_layers_routing(model, tokens):
+    """`return_routing=True`: each MoE layer's (and MTP block's) expert ids and weights, stacked
+    [layers batch*seq k], are its router's on that layer's input; the logits do not change, and
+    the ids count to the stats' loads. Without it, no routing is computed into the output."""
+    c = model.config
+    plain = eqx.filter_jit(lambda m, t: m(t))(model, tokens)
+    assert plain.moe_stats.expert_ids is None and plain.mtp_moe_stats.weights is None
+    out = eqx.filter_jit(lambda m, t: m(t, return_routing=True))(model, tokens)
+    np.testing.assert_array_equal(out.logits, plain.logits)
+    k, tokens_flat = c.num_experts_per_tok, BATCH * SEQ
+    for stats, n_layers in ((out.moe_stats, c.n_moe_layers), (out.mtp_moe_stats, 1)):
+        assert stats.expert_ids.shape == stats.weights.shape == (n_layers, tokens_flat, k)
+        loads = jax.vmap(lambda ids: jnp.bincount(ids.ravel(), length=c.n_routed_experts))
+        np.testing.assert_array_equal(loads(stats.expert_ids), stats.tokens_per_expert)
+    # Layer by layer: the router of each MoE block, on that block's normed input.
+    h = jnp.take(model.embed_tokens, tokens, axis=0)
+    for i in range(c.n_dense_layers):
+        h, _ = unstack(model.dense_layers, i)(h)
+    for i in range(c.n_moe_layers):
+        block = unstack(model.moe_layers, i)
+        x = block.input_layernorm(h)
+        x = h + block.self_attn(x)
+        routing = block.mlp.router(block.post_attention_layernorm(x).reshape(tokens_flat, -1))
+        np.testing.assert_array_equal(out.moe_stats.expert_ids[i], routing.expert_ids)
+        np.testing.assert_allclose(out.moe_stats.weights[i], routing.weights, rtol=1e-5, atol=1e-6)
+        h, _ = block(h)
+
+
+def test_backend_is_a_value():
+    """A `Backend` (its None fields keep the defaults) or None; a name raises TypeError naming
+    `get_backend`."""
+    c = get_preset("tiny")
+    ragged = get_backend("ragged")
+    model = DeepSeekV3(c, backend=ragged, key=jax.random.key(0))
+    assert model.moe_layers.mlp.experts.gmm == ragged.gmm
+    default = DeepSeekV3(c, key=jax.random.key(0))
+    assert jax.tree.structure(with_backend(default, ragged)) == jax.tree.structure(model)
+    # the tests' runtime type checks object first (naming `backend`); a user's script reaches
+    # the model's own message
+    with pytest.raises((TypeError, TypeCheckError), match="backend"):
+        DeepSeekV3(c, backend="ragged", key=jax.random.key(0))
+    with jaxtyping_disabled(), pytest.raises(TypeError, match=r"get_backend\('ragged'\)"):
+        DeepSeekV3(c, backend="ragged", key=jax.random.key(0))
+    # a Backend's None fields keep MoE's defaults: here the router's top-k
+    no_topk = Backend(dispatcher=ragged.dispatcher, gmm=ragged.gmm, topk=None)
+    assert set(layers.moe_strategies(no_topk)) == {"dispatcher", "gmm"}
+    assert layers.moe_strategies(None) == {}

@@ -1,7 +1,14 @@
-"""DeepSeek-V3 (and V2) at any size: config, model, multi-token prediction, presets, counts."""
+"""DeepSeek-V3 (and V2) at any size: config, model, multi-token prediction, presets, counts,
+and Hugging Face checkpoints (loading, export, the parameter name mapping)."""
 
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
-from dropless.models.deepseek_v3.hf import from_pretrained, save_pretrained
+from dropless.models.deepseek_v3.hf import (
+    dropless_names,
+    from_pretrained,
+    hf_names,
+    save_pretrained,
+    to_hf,
+)
 from dropless.models.deepseek_v3.layers import make_block, scan_blocks, stack_blocks, unstack
 from dropless.models.deepseek_v3.model import (
     DeepSeekV3,
@@ -25,13 +32,16 @@ __all__ = [
     "ParamCount",
     "check_tokens",
     "count_params",
+    "dropless_names",
     "from_pretrained",
     "get_preset",
+    "hf_names",
     "make_block",
     "mtp_targets",
     "save_pretrained",
     "scan_blocks",
     "stack_blocks",
+    "to_hf",
     "unstack",
     "with_updated_expert_bias",
 ]

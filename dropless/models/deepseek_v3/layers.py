@@ -7,19 +7,20 @@ compiles one dense block and one MoE block, or, with `unroll`, every layer inlin
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from dropless.backends import Backend
+from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.moe import MoE, MoEStats
-from dropless.nn.block import DecoderBlock
 from dropless.nn.mla import MLA
-from dropless.nn.mlp import SwiGLU
 from dropless.nn.unroll import unrolled_scan
 from dropless.precision import cast_for_compute
+from dropless.swiglu import SwiGLU
 
 REMAT: dict[str, Callable | None] = {
     "none": None,
@@ -37,10 +38,26 @@ MATMUL_WEIGHTS = frozenset(
 )
 
 
+def moe_strategies(backend: Backend | None) -> dict[str, Any]:
+    """The `MoE` strategy arguments (`dispatcher`, `gmm`, `topk`) that `backend` sets: its
+    fields that are not None; None sets none (MoE's defaults). Raises TypeError for anything
+    else: names are resolved where a program starts, with `dropless.get_backend(name)`."""
+    if backend is None:
+        return {}
+    if not isinstance(backend, Backend):
+        hint = ""
+        if isinstance(backend, str):
+            hint = f"; for a backend's name, pass dropless.get_backend({backend!r})"
+        raise TypeError(f"backend must be a dropless.Backend or None, got {backend!r}{hint}")
+    fields = {"dispatcher": backend.dispatcher, "gmm": backend.gmm, "topk": backend.topk}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 def make_block(
-    config: DeepSeekV3Config, *, moe: bool, backend: str | Backend = "jnp", key: PRNGKeyArray
+    config: DeepSeekV3Config, *, moe: bool, backend: Backend | None = None, key: PRNGKeyArray
 ) -> DecoderBlock:
-    """One decoder block: MLA, then a dense SwiGLU (`intermediate_size`) or the MoE layer."""
+    """One decoder block: MLA, then a dense SwiGLU (`intermediate_size`) or the MoE layer
+    (with `backend`'s strategies, see `moe_strategies`)."""
     c, dt = config, config.param_jnp_dtype
     k_attn, k_mlp = jax.random.split(key)
     attn = MLA(
@@ -68,9 +85,9 @@ def make_block(
             c.routing_spec(),
             n_shared_experts=c.n_shared_experts,
             dtype=dt,
-            backend=backend,
             weights_before_down=c.moe_weights_before_down,
             key=k_mlp,
+            **moe_strategies(backend),
         )
     else:
         mlp = SwiGLU(c.hidden_size, c.intermediate_size, dtype=dt, key=k_mlp)
@@ -82,10 +99,11 @@ def stack_blocks(
     n: int,
     *,
     moe: bool,
-    backend: str | Backend = "jnp",
+    backend: Backend | None = None,
     key: PRNGKeyArray,
 ) -> DecoderBlock | None:
     """`n` blocks as one stacked block (leading `layers` axis on every array); None if n == 0."""
+    moe_strategies(backend)  # a wrong backend fails here, whatever n
     if n == 0:
         return None
 
@@ -105,8 +123,11 @@ def scan_blocks(
     x: Float[Array, "batch seq dim"],
     remat: str = "none",
     unroll: bool = False,
+    *,
+    return_routing: bool = False,
 ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
-    """Applies the stacked blocks in order; MoE stats come back with a leading `layers` axis.
+    """Applies the stacked blocks in order; MoE stats come back with a leading `layers` axis
+    (with each layer's routing under `return_routing`).
     `unroll` emits every layer inline instead of a loop (`unrolled_scan`): per-layer residuals
     are then separate buffers rather than slices written into and read from stacks. The
     stacked matmul weights pass `matmul_weights_cast` first (see the comment below)."""
@@ -123,7 +144,7 @@ def scan_blocks(
     arrays = matmul_weights_cast(arrays, x.dtype if REMAT[remat] is None else None)
 
     def body(h, layer_arrays):
-        return eqx.combine(layer_arrays, static)(h)
+        return eqx.combine(layer_arrays, static)(h, return_routing=return_routing)
 
     if REMAT[remat] is not None:
         # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE.

@@ -8,14 +8,14 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from dropless.backends import Backend
 from dropless.balance import update_expert_bias
+from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
-from dropless.models.deepseek_v3.layers import scan_blocks, stack_blocks
+from dropless.models.deepseek_v3.layers import moe_strategies, scan_blocks, stack_blocks
 from dropless.models.deepseek_v3.mtp import MTP
 from dropless.moe import MoE, MoEStats
-from dropless.nn.block import DecoderBlock
-from dropless.nn.mlp import init_linear
 from dropless.nn.rmsnorm import RMSNorm
 from dropless.precision import f32_einsum
+from dropless.swiglu import init_linear
 
 
 class ModelOutput(eqx.Module):
@@ -27,6 +27,9 @@ class ModelOutput(eqx.Module):
     - `moe_stats`: the MoE layers' `MoEStats`, each field with a leading `layers` axis (in layer
       order); zero-length when the model has no MoE layers (sums are 0, means undefined).
     - `mtp_moe_stats`: the same for the MTP blocks (leading `depth` axis), zero-length when absent.
+
+    With `return_routing=True`, both stats also hold each layer's routing: `expert_ids` and
+    `weights`, [layers batch*seq k] (token `b * seq + i` is `tokens[b, i]`).
     """
 
     logits: Float[Array, "batch seq vocab"]
@@ -58,6 +61,9 @@ class DeepSeekV3(eqx.Module):
     `embed_tokens [vocab dim]`, `dense_layers` (first `first_k_dense_replace` layers, stacked
     `DecoderBlock`, or None), `moe_layers` (the rest, or None), `norm`, `lm_head [dim vocab]`
     (None when tied: the head is `embed_tokens.T`), `mtp` (`MTP`, or None).
+
+    `backend`: the MoE layers' strategies (`dropless.Backend`; its None fields, or None, keep
+    `MoE`'s defaults). A registry name is resolved first: `backend=dropless.get_backend(name)`.
     """
 
     embed_tokens: Float[Array, "vocab dim"]
@@ -69,8 +75,9 @@ class DeepSeekV3(eqx.Module):
     config: DeepSeekV3Config = eqx.field(static=True)
 
     def __init__(
-        self, config: DeepSeekV3Config, *, backend: str | Backend = "jnp", key: PRNGKeyArray
+        self, config: DeepSeekV3Config, *, backend: Backend | None = None, key: PRNGKeyArray
     ):
+        moe_strategies(backend)  # a wrong backend fails here, even without MoE layers
         c, dt = config, config.param_jnp_dtype
         k_emb, k_dense, k_moe, k_head, k_mtp = jax.random.split(key, 5)
         # A tied table doubles as the head, so it gets the head's 1/sqrt(dim) scale.
@@ -101,24 +108,31 @@ class DeepSeekV3(eqx.Module):
             return f32_einsum("bsd,dv->bsv", h, w)
         return jnp.einsum("bsd,dv->bsv", h, w, preferred_element_type=self.config.logits_jnp_dtype)
 
-    def __call__(self, tokens: Int[Array, "batch seq"]) -> ModelOutput:
-        """Logits, MTP logits and MoE statistics of a batch of token sequences.
+    def __call__(
+        self, tokens: Int[Array, "batch seq"], *, return_routing: bool = False
+    ) -> ModelOutput:
+        """Logits, MTP logits and MoE statistics of a batch of token sequences;
+        `return_routing` (a Python bool) adds every MoE layer's routing to the statistics.
 
         Raises ValueError for sequences longer than `max_position_embeddings`, and, when the
         tokens are concrete (not traced), for ids outside the vocabulary; under `jit` call
         `check_tokens` on the host batch instead.
         """
-        return self.from_embeddings(self._embed(tokens))
+        return self.from_embeddings(self._embed(tokens), return_routing=return_routing)
 
-    def features(self, tokens: Int[Array, "batch seq"]) -> ModelFeatures:
+    def features(
+        self, tokens: Int[Array, "batch seq"], *, return_routing: bool = False
+    ) -> ModelFeatures:
         """`__call__` without the vocabulary head: the normed hidden states that the logits
         come from (`head_weight()`), for a loss that makes the logits itself."""
-        return ModelFeatures(*self._trunk(self._embed(tokens), head=lambda h: h))
+        return ModelFeatures(*self._trunk(self._embed(tokens), lambda h: h, return_routing))
 
-    def from_embeddings(self, emb: Float[Array, "batch seq dim"]) -> ModelOutput:
+    def from_embeddings(
+        self, emb: Float[Array, "batch seq dim"], *, return_routing: bool = False
+    ) -> ModelOutput:
         """Everything after the embedding lookup; `emb[b, i]` is token i's embedding, in the
         compute dtype. (Tests differentiate through this to check causality.)"""
-        return ModelOutput(*self._trunk(emb, head=self.head))
+        return ModelOutput(*self._trunk(emb, self.head, return_routing))
 
     def _embed(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq dim"]:
         c = self.config
@@ -134,7 +148,7 @@ class DeepSeekV3(eqx.Module):
         with jax.named_scope("embed"):
             return jnp.take(self.embed_tokens, tokens, axis=0).astype(c.compute_jnp_dtype)
 
-    def _trunk(self, emb, head):
+    def _trunk(self, emb, head, return_routing: bool):
         """(head(final normed h), head of each MTP depth's normed h or None, MoE stats, MTP
         MoE stats): the fields of ModelOutput, or of ModelFeatures when `head` is the
         identity."""
@@ -142,17 +156,21 @@ class DeepSeekV3(eqx.Module):
         with jax.named_scope("dense_layers"):
             h, _ = scan_blocks(self.dense_layers, emb, c.remat, c.unroll_layers)
         with jax.named_scope("moe_layers"):
-            h, stats = scan_blocks(self.moe_layers, h, c.remat, c.unroll_layers)
+            h, stats = scan_blocks(
+                self.moe_layers, h, c.remat, c.unroll_layers, return_routing=return_routing
+            )
         with jax.named_scope("head"):
             h = self.norm(h)
             out = head(h)
         mtp_out, mtp_stats = None, None
         if self.mtp is not None:
             with jax.named_scope("mtp"):
-                mtp_out, mtp_stats = self.mtp(h, emb, head, remat=c.remat)
+                mtp_out, mtp_stats = self.mtp(
+                    h, emb, head, remat=c.remat, return_routing=return_routing
+                )
         empty = None
         if stats is None or mtp_stats is None:
-            empty = _empty_stats(c, emb.shape[1])
+            empty = _empty_stats(c, emb.shape[0] * emb.shape[1], emb.shape[1], return_routing)
         return (
             out,
             mtp_out,
@@ -161,7 +179,7 @@ class DeepSeekV3(eqx.Module):
         )
 
 
-def _empty_stats(config: DeepSeekV3Config, seq: int) -> MoEStats:
+def _empty_stats(config: DeepSeekV3Config, tokens: int, seq: int, return_routing: bool) -> MoEStats:
     """MoEStats with a zero-length leading axis, shaped like a real MoE layer's."""
 
     def one_layer():
@@ -171,7 +189,8 @@ def _empty_stats(config: DeepSeekV3Config, seq: int) -> MoEStats:
             config.routing_spec(),
             key=jax.random.key(0),
         )
-        return moe(jnp.zeros((seq, config.hidden_size)), seq_len=seq)[1]
+        x = jnp.zeros((tokens, config.hidden_size))
+        return moe(x, seq_len=seq, return_routing=return_routing)[1]
 
     shapes = jax.eval_shape(one_layer)
     return jax.tree.map(lambda s: jnp.zeros((0, *s.shape), s.dtype), shapes)

@@ -22,12 +22,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from dropless.backends import Backend
+from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
-from dropless.models.deepseek_v3.layers import REMAT, make_block
+from dropless.models.deepseek_v3.layers import REMAT, make_block, moe_strategies
 from dropless.moe import MoEStats
-from dropless.nn.block import DecoderBlock
-from dropless.nn.mlp import init_linear
 from dropless.nn.rmsnorm import RMSNorm
+from dropless.swiglu import init_linear
 
 
 class SharedHead(eqx.Module):
@@ -46,7 +46,7 @@ class MTPModule(eqx.Module):
     shared_head: SharedHead
 
     def __init__(
-        self, config: DeepSeekV3Config, *, backend: str | Backend = "jnp", key: PRNGKeyArray
+        self, config: DeepSeekV3Config, *, backend: Backend | None = None, key: PRNGKeyArray
     ):
         c, dt = config, config.param_jnp_dtype
         k_proj, k_block = jax.random.split(key)
@@ -60,12 +60,16 @@ class MTPModule(eqx.Module):
         self.shared_head = SharedHead(RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dt))
 
     def __call__(
-        self, h: Float[Array, "batch seq dim"], emb: Float[Array, "batch seq dim"]
+        self,
+        h: Float[Array, "batch seq dim"],
+        emb: Float[Array, "batch seq dim"],
+        *,
+        return_routing: bool = False,
     ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
         """Next depth's hidden state (before `shared_head.norm`) and the block's MoE stats."""
         dt = h.dtype
         joined = jnp.concatenate([self.enorm(emb), self.hnorm(h)], axis=-1)
-        return self.block(joined @ self.eh_proj.astype(dt))
+        return self.block(joined @ self.eh_proj.astype(dt), return_routing=return_routing)
 
 
 class MTP(eqx.Module):
@@ -74,8 +78,9 @@ class MTP(eqx.Module):
     layers: MTPModule
 
     def __init__(
-        self, config: DeepSeekV3Config, *, backend: str | Backend = "jnp", key: PRNGKeyArray
+        self, config: DeepSeekV3Config, *, backend: Backend | None = None, key: PRNGKeyArray
     ):
+        moe_strategies(backend)  # a wrong backend fails here, outside the vmap
         keys = jax.random.split(key, config.num_nextn_predict_layers)
         self.layers = eqx.filter_vmap(lambda k: MTPModule(config, backend=backend, key=k))(keys)
 
@@ -86,6 +91,7 @@ class MTP(eqx.Module):
         head: Callable[[Float[Array, "batch seq dim"]], Float[Array, "batch seq head_out"]],
         *,
         remat: str = "none",
+        return_routing: bool = False,
     ) -> tuple[Float[Array, "depth batch seq head_out"], MoEStats | None]:
         """Logits of every depth from the main hidden state `h` and token embeddings `emb`
         (`head` of each depth's normed hidden state: the normed state itself for an identity
@@ -94,7 +100,8 @@ class MTP(eqx.Module):
         Depth d's last d + 1 positions have no next token: their embedding input is zeros and
         their logits are masked out of the loss (`mtp_targets`), but their MoE routing counts in
         the block's stats (balance losses, the bias update's load) like any other position's:
-        a share of (d + 1) / seq, which keeps every shape static."""
+        a share of (d + 1) / seq, which keeps every shape static. `return_routing` puts each
+        depth's routing in its stats."""
         depth = jax.tree.leaves(eqx.filter(self.layers, eqx.is_array))[0].shape[0]
         seq = emb.shape[1]
         # Depth d reads the embedding of token i + d + 1: shift left, pad the end with zeros.
@@ -106,7 +113,7 @@ class MTP(eqx.Module):
         def body(h, xs):
             layer_arrays, emb_d = xs
             layer = eqx.combine(layer_arrays, static)
-            h, stats = layer(h, emb_d)
+            h, stats = layer(h, emb_d, return_routing=return_routing)
             return h, (head(layer.shared_head.norm(h)), stats)
 
         if REMAT[remat] is not None:

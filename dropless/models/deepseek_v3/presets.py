@@ -86,8 +86,8 @@ def proxy_2b() -> DeepSeekV3Config:
     top-6 of 4 groups, sigmoid with bias) at 1/7 width, and V3's own attention heads (query-key
     128 + 64 rope, value 128), 8 of them. Until 2026-12-05 it had 16 heads of half those
     widths: the same projection sizes and attention FLOPs, but cuDNN's attention at 96/64 ran
-    at 0.77 of its rate at 192/128, which V3 itself runs at (docs/benchmarks.md, eighteenth
-    run); `num_attention_heads=16, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64`
+    at 0.77 of its rate at 192/128, which V3 itself runs at (on an H200);
+    `num_attention_heads=16, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64`
     gives the old shape."""
     return DeepSeekV3Config(
         vocab_size=32768,

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.moe import MoE
-from dropless.nn.block import DecoderBlock
 from dropless.nn.mla import MLA
-from dropless.nn.mlp import SwiGLU
 from dropless.routing import RoutingSpec
+from dropless.swiglu import SwiGLU
 
 DIM, BATCH, SEQ = 16, 2, 6
 

@@ -1,20 +1,32 @@
 """Which Hugging Face checkpoint tensor fills which part of which dropless parameter.
 
-One table, used in both directions by `dropless.models.deepseek_v3.hf`: `tensor_table` lists every
-tensor of a DeepSeek-V2/V3 checkpoint (the names of DeepSeek's release: `model.layers.{L}.*`,
-per-expert `mlp.experts.{e}.*`, MTP modules as layers `num_hidden_layers + d`) with its shape and
-the slots of dropless leaves it fills. A slot is a leaf path (`moe_layers.mlp.experts.w_gate`),
-leading indices into it (layer, expert) and whether Hugging Face stores it transposed ([out in]
-where dropless stores [in out]). A tensor with several slots is their concatenation along axis
--2: the fused `mlp.experts.gate_up_proj` [experts 2*hidden dim] that recent `transformers` writes.
+`hf_names` and `dropless_names` are the public mapping: a dropless parameter path (a leaf's
+`jax.tree_util.keystr(path, simple=True, separator=".")`, then `[i]` per stacked index: layer,
+then expert) to a Hugging Face tensor name, and back, e.g.
+
+    moe_layers.mlp.experts.w_gate[2][5]  <->  model.layers.3.mlp.experts.5.gate_proj.weight
+
+Underneath is one table, used in both directions by loading and export: `tensor_table` lists
+every tensor of a DeepSeek-V2/V3 checkpoint (the names of DeepSeek's release:
+`model.layers.{L}.*`, per-expert `mlp.experts.{e}.*`, MTP modules as layers
+`num_hidden_layers + d`) with its shape and the slots of dropless leaves it fills. A slot is a
+leaf path (`moe_layers.mlp.experts.w_gate`), leading indices into it (layer, expert) and whether
+Hugging Face stores it transposed ([out in] where dropless stores [in out]). A tensor with
+several slots is their concatenation along axis -2: the fused `mlp.experts.gate_up_proj`
+[experts 2*hidden dim] that recent `transformers` writes.
 """
 
 import dataclasses
 import math
 import re
 from collections.abc import Collection, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
 
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
+from dropless.models.deepseek_v3.model import DeepSeekV3
 
 # Hugging Face nn.Linear names whose [out in] weight dropless stores as [in out] (MLA, dense MLP).
 _ATTN_PROJ = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
@@ -161,3 +173,59 @@ def check_coverage(table: Mapping[str, HFTensor], leaves: Mapping[str, tuple[int
     for leaf, shape in leaves.items():
         if filled[leaf] != math.prod(shape):
             raise AssertionError(f"{leaf}: {filled[leaf]} of {math.prod(shape)} values mapped")
+
+
+def leaf_name(path: tuple) -> str:
+    """A leaf's dropless path (`moe_layers.mlp.experts.w_gate`) from its key path."""
+    return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
+def leaves_by_name(tree: Any) -> dict[str, Any]:
+    """{leaf path: leaf} for the array (or ShapeDtypeStruct) leaves of a model-shaped tree."""
+    return {leaf_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def is_tensor(x: Any) -> bool:
+    """An array, or the shape and dtype of one (`eqx.filter_eval_shape`'s leaves)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def model_table(model_or_config: DeepSeekV3 | DeepSeekV3Config) -> dict[str, HFTensor]:
+    """`tensor_table` of a model (or of any tree shaped like one, such as its gradients) or of
+    the model a config builds (no arrays are allocated), experts one tensor each."""
+    if isinstance(model_or_config, DeepSeekV3Config):
+        config = model_or_config
+        model = eqx.filter_eval_shape(lambda: DeepSeekV3(config, key=jax.random.key(0)))
+    else:
+        config, model = model_or_config.config, model_or_config
+    leaves = leaves_by_name(eqx.filter(model, is_tensor))
+    table = tensor_table({k: tuple(v.shape) for k, v in leaves.items()}, config)
+    return {name: t for name, t in table.items() if t.write}
+
+
+def slot_path(slot: Slot) -> str:
+    """The dropless path of a slot: its leaf, then `[i]` per index."""
+    return slot.leaf + "".join(f"[{i}]" for i in slot.index)
+
+
+def hf_names(model_or_config: DeepSeekV3 | DeepSeekV3Config) -> dict[str, str]:
+    """{dropless path: Hugging Face tensor name} for every parameter of a model (or its config).
+
+    A path is a leaf's `keystr` with `.` separators followed by one `[i]` per stacked index
+    (`moe_layers.mlp.experts.w_gate[2][5]`: MoE layer 2, expert 5); each names one tensor of
+    `save_pretrained`'s files (experts one tensor each). One-to-one: the copies that the files
+    also hold (an MTP module's `embed_tokens` and `shared_head.head`) are only in
+    `dropless_names`. Hugging Face stores linear weights [out in] where dropless stores
+    [in out]: `to_hf` gives the tensors in its layout."""
+    return {
+        slot_path(t.slots[0]): name
+        for name, t in model_table(model_or_config).items()
+        if not t.duplicate
+    }
+
+
+def dropless_names(model_or_config: DeepSeekV3 | DeepSeekV3Config) -> dict[str, str]:
+    """{Hugging Face tensor name: dropless path}, the inverse of `hf_names`, for every tensor
+    `save_pretrained` writes, copies included (an MTP module's `embed_tokens.weight` maps to
+    `embed_tokens`)."""
+    return {name: slot_path(t.slots[0]) for name, t in model_table(model_or_config).items()}

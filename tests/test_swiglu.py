@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.nn.mlp import SwiGLU, gate_up, swiglu, swiglu_grad_in_blocks
+from dropless.swiglu import SwiGLU, gate_up, swiglu, swiglu_grad_in_blocks
 
 FP32 = dict(rtol=2e-5, atol=2e-5)
 

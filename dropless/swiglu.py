@@ -1,4 +1,5 @@
-"""Dense SwiGLU feed-forward network: dense layers and shared experts."""
+"""SwiGLU: the dense feed-forward network (dense layers, shared experts), and the functions the
+routed experts and their kernels share with it (`gate_up`, `swiglu` and its gradients)."""
 
 import equinox as eqx
 import jax
@@ -69,10 +70,9 @@ def swiglu_grad_in_blocks(
 
     One elementwise expression over the [rows, blocks, 2, block] view: each element computes
     its pair's sigmoid and picks its own formula, so XLA makes one pass of it where splitting,
-    differentiating and joining again took three (2.4x the time, docs/benchmarks.md,
-    twenty-first run). The scale's gradient, `sum(silu(gate) * up * d_hidden)` per row, is a
-    sum over the same view (the gate's elements carry it, the up's add zero), so that XLA can
-    take it in that pass too."""
+    differentiating and joining again take three, and 2.4x the time. The scale's gradient,
+    `sum(silu(gate) * up * d_hidden)` per row, is a sum over the same view (the gate's elements
+    carry it, the up's add zero), so that XLA can take it in that pass too."""
     rows, width = gate_and_up.shape
     blocks = width // 2 // block
     pairs = gate_and_up.reshape(rows, blocks, 2, block).astype(jnp.float32)

@@ -6,8 +6,8 @@ from jaxtyping import Array, Float
 
 from dropless.moe import MoE, MoEStats
 from dropless.nn.mla import MLA
-from dropless.nn.mlp import SwiGLU
 from dropless.nn.rmsnorm import RMSNorm
+from dropless.swiglu import SwiGLU
 
 
 class DecoderBlock(eqx.Module):
@@ -25,9 +25,10 @@ class DecoderBlock(eqx.Module):
         self.mlp = mlp
 
     def __call__(
-        self, x: Float[Array, "batch seq dim"]
+        self, x: Float[Array, "batch seq dim"], *, return_routing: bool = False
     ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
-        """The new residual stream, and the MoE statistics (None for a dense block)."""
+        """The new residual stream, and the MoE statistics (None for a dense block; with the
+        routing, tokens flattened `batch * seq`, under `return_routing`)."""
         with jax.named_scope("attention"):
             x = x + self.self_attn(self.input_layernorm(x))
         with jax.named_scope("ffn"):
@@ -37,5 +38,7 @@ class DecoderBlock(eqx.Module):
             batch, seq, dim = h.shape
             # MoE code works on flat tokens; seq_len keeps the sequences apart for the
             # sequence-wise balance loss.
-            y, stats = self.mlp(h.reshape(batch * seq, dim), seq_len=seq)
+            y, stats = self.mlp(
+                h.reshape(batch * seq, dim), seq_len=seq, return_routing=return_routing
+            )
             return x + y.reshape(batch, seq, dim).astype(x.dtype), stats
