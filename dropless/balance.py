@@ -1,6 +1,7 @@
 """Load balancing: auxiliary losses, routing statistics and the aux-loss-free bias update."""
 
 import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int

@@ -15,7 +15,7 @@
 
 import functools
 import math
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -645,32 +645,27 @@ class CapacityGroupedMatmul(AbstractGroupedMatmul):
     # overflow the slots when routing is skewed, by about a mean group per overflowing expert,
     # and every chunk is a host round trip on a GPU, so larger chunks pay off (H200, 256 skewed
     # groups of mean 256: fwd+bwd 0.060 of dense with 64-row chunks, 0.098 with 256, 0.103
-    # with 512; docs/benchmarks.md). The mean keeps the padding per expert below one group.
+    # with 512). The mean keeps the padding per expert below one group.
     chunk: int | None = eqx.field(default=None, static=True)
-    # How the overflow loop walks its chunks. None: a loop over experts around a loop over each
-    # one's chunks. n: one loop over all chunks, n per trip, for fewer trips (each a host round
-    # trip on a GPU). "auto": 4 on an accelerator, None on the CPU. On the H200 (256 skewed
-    # groups of mean 256) the flat loop took fwd+bwd from 0.109 of dense to 0.149 (4 per trip)
-    # and 0.154 (16); on the CPU it is no faster. Spare places in the last trip are computed
-    # and masked, hence a small n. The two walks sum the weight gradient in a different order,
-    # so results differ by float rounding. See `_for_each_chunk`.
-    chunks_per_trip: int | Literal["auto"] | None = eqx.field(default="auto", static=True)
 
     def __check_init__(self):
         if not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor ({self.capacity_factor}) must be > 0")
         _check_count("chunk", self.chunk, None)
-        _check_count("chunks_per_trip", self.chunks_per_trip, None, "auto")
-
-    def per_trip(self) -> int | None:
-        """The overflow walk this strategy uses on the default platform (see chunks_per_trip)."""
-        if self.chunks_per_trip == "auto":
-            return None if jax.default_backend() == "cpu" else 4
-        return self.chunks_per_trip
 
     def _impl(self, lhs, rhs, group_sizes):
         rows, n_experts = lhs.shape[0], rhs.shape[0]
         capacity = min(default_capacity(rows, n_experts, self.capacity_factor), rows)
         chunk = self.chunk or default_chunk(rows, n_experts, per_group=1)
         gs = group_sizes.astype(jnp.int32)
-        return capacity_grouped_matmul(lhs, rhs, gs, capacity, chunk, self.per_trip())
+        return capacity_grouped_matmul(lhs, rhs, gs, capacity, chunk, _overflow_walk())
+
+
+def _overflow_walk() -> int | None:
+    """How the overflow loop walks its chunks on the default platform (see `_for_each_chunk`):
+    on the CPU, nested loops (the flat loop is no faster there); on an accelerator, one flat
+    loop of 4 chunks per trip, since each trip of a data-dependent loop is a host round trip
+    (H200, 256 skewed groups of mean 256: fwd+bwd from 0.109 of dense to 0.149; 16 per trip
+    gained little more, and spare places in the last trip are computed and masked). The two
+    walks sum the weight gradient in a different order, so results differ by float rounding."""
+    return None if jax.default_backend() == "cpu" else 4
