@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from dropless import balance
-from dropless.dispatch import AbstractDispatcher
+from dropless.dispatch import AbstractDispatcher, require_row_weights
 from dropless.experts import GroupedExperts
 from dropless.nn.mlp import SwiGLU
 from dropless.routing import Routing, RoutingSpec, TopKRouter
@@ -68,7 +68,7 @@ class MoE(eqx.Module):
     experts' down projection, and the combine only sums. The same function (the projection is
     linear); the combine's backward then needs no expert outputs, so the step neither keeps nor
     reads them, and the weights' gradient comes from the hidden units instead. The dispatcher
-    must give row weights (`supports_row_weights`: the sort dispatchers).
+    must give row weights (an `AbstractRowWeightsDispatcher`, such as `SortDispatcher`).
     """
 
     router: TopKRouter
@@ -119,7 +119,7 @@ class MoE(eqx.Module):
         self.dispatcher = bundle.dispatcher
         self.weights_before_down = weights_before_down
         if weights_before_down:  # here as well as at the call: say so before any tracing
-            self.dispatcher.require_row_weights()
+            require_row_weights(self.dispatcher)
 
     def __call__(
         self, x: Float[Array, "tokens dim"], *, seq_len: int | None = None
@@ -133,9 +133,10 @@ class MoE(eqx.Module):
         routing = self.router(x)
         dispatched = self.dispatcher.dispatch(x, routing)
         if self.weights_before_down:
-            row_weights = self.dispatcher.row_weights(dispatched, routing)
+            dispatcher = require_row_weights(self.dispatcher)
+            row_weights = dispatcher.row_weights(dispatched, routing)
             y_rows = self.experts(dispatched.rows, dispatched.group_sizes, row_weights)
-            y = self.dispatcher.sum_copies(y_rows, dispatched, routing)
+            y = dispatcher.sum_copies(y_rows, dispatched, routing)
         else:
             y_rows = self.experts(dispatched.rows, dispatched.group_sizes)
             y = self.dispatcher.combine(y_rows, dispatched, routing)

@@ -25,7 +25,9 @@ import numpy as np
 from _timing import fwd_bwd, machine, median_time, print_table, write_results
 
 from dropless.backends import BackendUnavailableError, with_backend
-from dropless.backends.jnp import CapacityGroupedMatmul, ChunkedGroupedMatmul, RaggedDot
+from dropless.backends.capacity import CapacityGroupedMatmul
+from dropless.backends.chunked import ChunkedGroupedMatmul
+from dropless.backends.ragged import RaggedDot
 from dropless.moe import MoE
 from dropless.nn.mlp import SwiGLU
 from dropless.routing import RoutingSpec
@@ -42,7 +44,6 @@ def gmm_strategies():
 
         te.load_te()
         out["te"] = te.TEGroupedMatmul()
-        out["te-fp8"] = te.TEGroupedMatmul(fp8="current")
         print("TE grouped GEMM path:", te.grouped_gemm_path())
     except BackendUnavailableError as err:
         print("TE unavailable:", err)
@@ -51,7 +52,6 @@ def gmm_strategies():
 
         pallas.load_kernels()
         out["pallas"] = pallas.PallasGroupedMatmul()
-        out["pallas-jax"] = pallas.PallasGroupedMatmul(kernels="jax")
     except BackendUnavailableError as err:
         print("Pallas unavailable:", err)
     return out

@@ -13,8 +13,10 @@ from jaxtyping import TypeCheckError
 
 import dropless
 from dropless.backends import Backend, BackendUnavailableError, get_backend, with_backend
-from dropless.backends.jnp import ChunkedGroupedMatmul, SortDispatcher
+from dropless.backends.chunked import ChunkedGroupedMatmul
 from dropless.backends.oracle import oracle_moe
+from dropless.backends.sort import SortDispatcher
+from dropless.dispatch import AbstractDispatcher
 from dropless.moe import MoE
 from dropless.routing import RoutingSpec
 
@@ -116,8 +118,14 @@ def test_weights_before_down_equals_the_oracle(case):
     assert jnp.abs(grads[0].router.w_router).sum() > 0
 
 
-class _NoRowWeights(SortDispatcher):
-    supports_row_weights = False
+class _NoRowWeights(AbstractDispatcher):
+    """`SortDispatcher`'s dispatch and combine, without row weights."""
+
+    def _dispatch(self, x, routing):
+        return SortDispatcher().dispatch(x, routing)
+
+    def _combine(self, y_rows, dispatched, routing):
+        return SortDispatcher().combine(y_rows, dispatched, routing)
 
 
 def test_weights_before_down_needs_row_weights():
@@ -172,14 +180,14 @@ def test_missing_te_names_what_to_install():
 def test_auto_without_te(monkeypatch, gpu):
     """Without TE, 'auto' is the chunked 'jnp' on a CPU and 'jnp-capacity' on a GPU before
     Hopper (warning that TE is missing), whose batched matmul does not wait on the host."""
-    import dropless.backends as backends
+    from dropless.backends import registry as backends
 
     def missing():
         raise BackendUnavailableError("needs `pip install 'transformer-engine[jax]'`")
 
     monkeypatch.setitem(backends.BACKENDS, "te-gmm", missing)
-    monkeypatch.setattr(backends, "_has_gpu", lambda: gpu)
-    monkeypatch.setattr(backends, "_is_hopper", lambda: False)  # a Hopper GPU takes pallas
+    monkeypatch.setattr(backends, "has_gpu", lambda: gpu)
+    monkeypatch.setattr(backends, "is_hopper", lambda: False)  # a Hopper GPU takes pallas
     backends._auto_choice.cache_clear()
     try:
         if gpu:

@@ -7,15 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dropless.backends.jnp import (
-    CapacityGroupedMatmul,
-    ChunkedGroupedMatmul,
-    RaggedDot,
-    capacity_grouped_matmul,
-    default_capacity,
-    default_chunk,
-)
+from dropless.backends.capacity import CapacityGroupedMatmul, capacity_grouped_matmul
+from dropless.backends.chunked import ChunkedGroupedMatmul, default_capacity, default_chunk
 from dropless.backends.oracle import OneHotGroupedMatmul
+from dropless.backends.ragged import RaggedDot
 from dropless.experts import AbstractGroupedMatmul
 
 
