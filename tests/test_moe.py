@@ -237,7 +237,7 @@ def test_bad_seq_len_names_the_argument(seq_len):
         moe(jnp.zeros((4, 12)), seq_len=seq_len)
 
 
-_DISPATCHER = "Backend.dispatcher must be an AbstractDispatcher, got "
+_DISPATCHER = "Backend.dispatcher must be an AbstractDispatcher or None, got "
 
 
 @pytest.mark.parametrize(
@@ -247,7 +247,7 @@ _DISPATCHER = "Backend.dispatcher must be an AbstractDispatcher, got "
         ((ChunkedGroupedMatmul(), SortDispatcher()), _DISPATCHER + "ChunkedGroupedMatmul()"),
         (
             (SortDispatcher(), SortDispatcher()),
-            "Backend.gmm must be an AbstractGroupedMatmul, got SortDispatcher()",
+            "Backend.gmm must be an AbstractGroupedMatmul or None, got SortDispatcher()",
         ),
         (
             (SortDispatcher(), ChunkedGroupedMatmul(), "jnp"),
