@@ -1,7 +1,6 @@
 """Load balancing: auxiliary losses, routing statistics and the aux-loss-free bias update."""
 
 import functools
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -10,31 +9,22 @@ from jaxtyping import Array, Float, Int
 from dropless.routing import Routing
 
 
-def expert_counts(
-    expert_ids: Int[Array, "*copies"],
-    n_experts: int,
-    method: Literal["auto", "scatter", "compare"] = "auto",
-) -> Int[Array, " experts"]:
+def expert_counts(expert_ids: Int[Array, "*copies"], n_experts: int) -> Int[Array, " experts"]:
     """How many copies each expert receives, in int32; ids outside [0, n_experts) count for
     no expert.
 
-    "scatter": a bincount (scatter-add). "compare": each id compared with every expert and
-    summed, one fused reduction of copies x experts. "auto": scatter where the computation is
-    lowered for the CPU, compare elsewhere: on a GPU the scatter's atomic adds into a few bins
-    serialise (H200, 98,304 copies into 64 experts: 29.5 us per count against 3.7,
-    docs/benchmarks.md). The dispatcher's group sizes and the routing statistics both count
+    Lowered for the CPU, a bincount (scatter-add); elsewhere each id is compared with every
+    expert and summed, one fused reduction of copies x experts, since on a GPU the scatter's
+    atomic adds into a few bins serialise (H200, 98,304 copies into 64 experts: 29.5 us per
+    count against 3.7). The dispatcher's group sizes and the routing statistics both count
     through here, so XLA can compute the count once per layer.
     """
     flat = expert_ids.reshape(-1).astype(jnp.int32)
-    scatter = functools.partial(_count_by_scatter, n_experts=n_experts)
-    compare = functools.partial(_count_by_compare, n_experts=n_experts)
-    if method == "auto":
-        return jax.lax.platform_dependent(flat, cpu=scatter, default=compare)
-    if method == "scatter":
-        return scatter(flat)
-    if method == "compare":
-        return compare(flat)
-    raise ValueError(f"expert_counts: method={method!r} must be 'auto', 'scatter' or 'compare'")
+    return jax.lax.platform_dependent(
+        flat,
+        cpu=functools.partial(_count_by_scatter, n_experts=n_experts),
+        default=functools.partial(_count_by_compare, n_experts=n_experts),
+    )
 
 
 def _count_by_scatter(ids: Int[Array, " copies"], n_experts: int) -> Int[Array, " experts"]:

@@ -35,7 +35,6 @@ class AbstractDispatcher(eqx.Module):
 
     supports_expert_parallel: ClassVar[bool] = False
     requires_gpu: ClassVar[bool] = False
-    supports_row_weights: ClassVar[bool] = False  # implements `_row_weights`, `_sum_copies`
 
     def dispatch(self, x: Float[Array, "tokens dim"], routing: Routing) -> Dispatched:
         if routing.expert_ids.shape[0] != x.shape[0]:
@@ -55,14 +54,24 @@ class AbstractDispatcher(eqx.Module):
         with jax.named_scope("combine"):
             return self._combine(y_rows, dispatched, routing)
 
-    # For a layer that weights the experts' hidden units instead of their outputs
-    # (`MoE(weights_before_down=True)`): dispatchers with `supports_row_weights` give each row
-    # its copy's routing weight, and combine without weights.
+    @abc.abstractmethod
+    def _dispatch(self, x: Float[Array, "tokens dim"], routing: Routing) -> Dispatched: ...
+
+    @abc.abstractmethod
+    def _combine(
+        self, y_rows: Float[Array, "rows dim"], dispatched: Dispatched, routing: Routing
+    ) -> Float[Array, "tokens dim"]: ...
+
+
+class AbstractRowWeightsDispatcher(AbstractDispatcher):
+    """A dispatcher that can also give each row its copy's routing weight and combine without
+    weights: what a layer that weights the experts' hidden units instead of their outputs
+    (`MoE(weights_before_down=True)`) needs. Backends fill in `_row_weights` and `_sum_copies`
+    as well."""
 
     def row_weights(self, dispatched: Dispatched, routing: Routing) -> Float[Array, " rows"]:
         """Each dispatched row's routing weight (0 for padding rows), differentiable in
         `routing.weights`."""
-        self.require_row_weights()
         with jax.named_scope("dispatch"):
             return self._row_weights(dispatched, routing)
 
@@ -71,31 +80,24 @@ class AbstractDispatcher(eqx.Module):
     ) -> Float[Array, "tokens dim"]:
         """`combine` with every weight 1: each token's k rows summed. It keeps no rows for its
         backward, where `combine` keeps them for the weights' gradient."""
-        self.require_row_weights()
         with jax.named_scope("combine"):
             return self._sum_copies(y_rows, dispatched, routing)
 
-    def require_row_weights(self) -> None:
-        """Raises ValueError, naming this dispatcher, unless it gives row weights."""
-        if not self.supports_row_weights:
-            raise ValueError(
-                f"{type(self).__name__} cannot give each row its routing weight: "
-                "an MoE with weights_before_down=True needs a dispatcher with supports_row_weights "
-                "(SortDispatcher and its subclasses)"
-            )
+    @abc.abstractmethod
+    def _row_weights(self, dispatched: Dispatched, routing: Routing) -> Float[Array, " rows"]: ...
 
-    def _row_weights(self, dispatched: Dispatched, routing: Routing) -> Float[Array, " rows"]:
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def _sum_copies(
         self, y_rows: Float[Array, "rows dim"], dispatched: Dispatched, routing: Routing
-    ) -> Float[Array, "tokens dim"]:
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def _dispatch(self, x: Float[Array, "tokens dim"], routing: Routing) -> Dispatched: ...
-
-    @abc.abstractmethod
-    def _combine(
-        self, y_rows: Float[Array, "rows dim"], dispatched: Dispatched, routing: Routing
     ) -> Float[Array, "tokens dim"]: ...
+
+
+def require_row_weights(dispatcher: AbstractDispatcher) -> AbstractRowWeightsDispatcher:
+    """`dispatcher` itself; raises ValueError, naming it, unless it gives row weights."""
+    if not isinstance(dispatcher, AbstractRowWeightsDispatcher):
+        raise ValueError(
+            f"{type(dispatcher).__name__} cannot give each row its routing weight: "
+            "an MoE with weights_before_down=True needs a dispatcher with row weights "
+            "(an AbstractRowWeightsDispatcher, such as SortDispatcher)"
+        )
+    return dispatcher

@@ -43,6 +43,13 @@ class AbstractGroupedMatmul(eqx.Module):
         group_sizes: Int[Array, " experts"],
     ) -> Float[Array, "rows out"]: ...
 
+
+class AbstractFusedSwiGLUMatmul(AbstractGroupedMatmul):
+    """A grouped matmul that also computes the experts' gate-and-up SwiGLU its own way (for
+    example in one kernel): `GroupedExperts` calls its `gate_up_swiglu` instead of the
+    module-level `gate_up_swiglu`, which it must equal."""
+
+    @abc.abstractmethod
     def gate_up_swiglu(
         self,
         rows: Float[Array, "rows dim"],
@@ -50,13 +57,22 @@ class AbstractGroupedMatmul(eqx.Module):
         w_up: Float[Array, "experts dim hidden"],
         group_sizes: Int[Array, " experts"],
         row_scale: Float[Array, " rows"] | None = None,
-    ) -> Float[Array, "rows hidden"]:
-        """silu(rows @ w_gate[e]) * (rows @ w_up[e]) per group (times `row_scale[r]` per row,
-        if given), the weights cast to the rows' dtype: one grouped matmul over the weights
-        side by side, then the SwiGLU (`swiglu_scaled` with a scale). A strategy may fuse the
-        two."""
-        gate_and_up = self(rows, gate_up(w_gate, w_up, rows.dtype), group_sizes)
-        return swiglu(gate_and_up) if row_scale is None else swiglu_scaled(gate_and_up, row_scale)
+    ) -> Float[Array, "rows hidden"]: ...
+
+
+def gate_up_swiglu(
+    gmm: AbstractGroupedMatmul,
+    rows: Float[Array, "rows dim"],
+    w_gate: Float[Array, "experts dim hidden"],
+    w_up: Float[Array, "experts dim hidden"],
+    group_sizes: Int[Array, " experts"],
+    row_scale: Float[Array, " rows"] | None = None,
+) -> Float[Array, "rows hidden"]:
+    """silu(rows @ w_gate[e]) * (rows @ w_up[e]) per group (times `row_scale[r]` per row, if
+    given), the weights cast to the rows' dtype: one grouped matmul by `gmm` over the weights
+    side by side, then the SwiGLU (`swiglu_scaled` with a scale)."""
+    gate_and_up = gmm(rows, gate_up(w_gate, w_up, rows.dtype), group_sizes)
+    return swiglu(gate_and_up) if row_scale is None else swiglu_scaled(gate_and_up, row_scale)
 
 
 @jax.custom_vjp
@@ -118,7 +134,9 @@ class GroupedExperts(eqx.Module):
         hidden units before the down projection (the same as scaling the output: it is linear
         in them), in float32, then rounded to the rows' dtype."""
         with jax.named_scope("experts"):
-            hidden = self.gmm.gate_up_swiglu(
-                rows, self.w_gate, self.w_up, group_sizes, row_scale=row_weights
-            )
+            weights = (self.w_gate, self.w_up, group_sizes, row_weights)
+            if isinstance(self.gmm, AbstractFusedSwiGLUMatmul):
+                hidden = self.gmm.gate_up_swiglu(rows, *weights)
+            else:
+                hidden = gate_up_swiglu(self.gmm, rows, *weights)
             return self.gmm(hidden, self.w_down.astype(rows.dtype), group_sizes)

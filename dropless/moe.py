@@ -6,8 +6,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from dropless import balance
-from dropless.backends.jnp import ChunkedGroupedMatmul, SortDispatcher
-from dropless.dispatch import AbstractDispatcher
+from dropless.backends.chunked import ChunkedGroupedMatmul
+from dropless.backends.sort import SortDispatcher
+from dropless.dispatch import AbstractDispatcher, require_row_weights
 from dropless.experts import AbstractGroupedMatmul, GroupedExperts
 from dropless.routing import AbstractTopK, JnpTopK, Routing, RoutingSpec, TopKRouter
 from dropless.swiglu import SwiGLU
@@ -83,7 +84,7 @@ class MoE(eqx.Module):
     experts' down projection, and the combine only sums. The same function (the projection is
     linear); the combine's backward then needs no expert outputs, so the step neither keeps nor
     reads them, and the weights' gradient comes from the hidden units instead. The dispatcher
-    must give row weights (`supports_row_weights`: the sort dispatchers).
+    must give row weights (an `AbstractRowWeightsDispatcher`, such as `SortDispatcher`).
     """
 
     router: TopKRouter
@@ -135,7 +136,7 @@ class MoE(eqx.Module):
         self.dispatcher = dispatcher
         self.weights_before_down = weights_before_down
         if weights_before_down:  # here as well as at the call: say so before any tracing
-            self.dispatcher.require_row_weights()
+            require_row_weights(self.dispatcher)
 
     def __call__(
         self,
@@ -155,9 +156,10 @@ class MoE(eqx.Module):
         routing = self.router(x)
         dispatched = self.dispatcher.dispatch(x, routing)
         if self.weights_before_down:
-            row_weights = self.dispatcher.row_weights(dispatched, routing)
+            dispatcher = require_row_weights(self.dispatcher)
+            row_weights = dispatcher.row_weights(dispatched, routing)
             y_rows = self.experts(dispatched.rows, dispatched.group_sizes, row_weights)
-            y = self.dispatcher.sum_copies(y_rows, dispatched, routing)
+            y = dispatcher.sum_copies(y_rows, dispatched, routing)
         else:
             y_rows = self.experts(dispatched.rows, dispatched.group_sizes)
             y = self.dispatcher.combine(y_rows, dispatched, routing)

@@ -6,8 +6,7 @@ One Dirichlet(1) draw of group sizes (seed 1), bf16, K x N = 7168 x 2048. For a 
 and capacity factors of `CapacityGroupedMatmul`, and for `ChunkedGroupedMatmul`, prints forward
 and forward+backward time over a dense matmul of equal FLOPs timed in the same run (as in
 bench_moe.py; >1 is faster than dense). The rows past each expert's slots go through the
-chunked loop, whose trip counts are data-dependent; this shows what that loop costs, and
-what walking it as one flat loop with several chunks per trip (`chunks_per_trip`) saves. The
+chunked loop, whose trip counts are data-dependent; this shows what that loop costs. The
 group sizes are an argument of the compiled functions, as they are in a model. Run it with
 XLA_FLAGS set to compare compiler settings (docs/benchmarks.md).
 """
@@ -20,12 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from _timing import fwd_bwd, machine, median_time
 
-from dropless.backends.jnp import (
-    CapacityGroupedMatmul,
-    ChunkedGroupedMatmul,
-    default_capacity,
-    default_chunk,
-)
+from dropless.backends.capacity import CapacityGroupedMatmul
+from dropless.backends.chunked import ChunkedGroupedMatmul, default_capacity, default_chunk
 
 
 def main():
@@ -53,21 +48,13 @@ def main():
     t_dense = median_time(jax.jit(dense), lhs, rhs[0], sizes)
     t_dense_fb = median_time(fwd_bwd(dense), lhs, rhs[0], sizes, cotangent)
     quarter = default_chunk(m, e)  # the default chunk before it became the mean group size
-    variants = {  # nested overflow loops (chunks_per_trip=None) unless named
-        f"capacity chunk={chunk} cf={cf}": CapacityGroupedMatmul(
-            capacity_factor=cf, chunk=chunk, chunks_per_trip=None
-        )
+    variants = {  # the overflow loop walks as the platform's default does
+        f"capacity chunk={chunk} cf={cf}": CapacityGroupedMatmul(capacity_factor=cf, chunk=chunk)
         for cf, chunk in [(1.25, quarter), (1.25, 128), (1.25, 256), (1.25, 512), (2.0, 256)]
     }
     variants[f"capacity chunk={default_chunk(m, e, per_group=1)} (default)"] = (
-        CapacityGroupedMatmul(chunks_per_trip=None)
+        CapacityGroupedMatmul()
     )
-    auto = CapacityGroupedMatmul()
-    variants[f"capacity auto (per trip: {auto.per_trip()})"] = auto
-    for per_trip in (1, 4, 16):
-        variants[f"capacity default, {per_trip} chunks/trip"] = CapacityGroupedMatmul(
-            chunks_per_trip=per_trip
-        )
     variants["chunked"] = ChunkedGroupedMatmul()
     for name, gmm in variants.items():
         f = lambda a, b, s, gmm=gmm: gmm(a, b, s)  # noqa: E731

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from _timing import machine, median_time, print_table, write_results
 
-from dropless.backends.jnp import SortDispatcher
+from dropless.backends.sort import SortDispatcher
 from dropless.routing import JnpTopK, Routing, RoutingSpec
 
 

@@ -31,12 +31,9 @@ import numpy as np
 from _timing import fwd_bwd, machine, median_time, print_table, write_results
 
 from dropless import keep_freed_memory
-from dropless.backends.jnp import (
-    CapacityGroupedMatmul,
-    ChunkedGroupedMatmul,
-    RaggedDot,
-    default_chunk,
-)
+from dropless.backends.capacity import CapacityGroupedMatmul
+from dropless.backends.chunked import ChunkedGroupedMatmul, default_chunk
+from dropless.backends.ragged import RaggedDot
 
 TARGETS = {8: 3.0, 64: 3.0, 256: 4.0}  # issue 2: jnp default time over dense, at most
 

@@ -25,7 +25,9 @@ import numpy as np
 from _timing import fwd_bwd, machine, median_time, print_table, write_results
 
 from dropless.backends import BackendUnavailableError, with_backend
-from dropless.backends.jnp import CapacityGroupedMatmul, ChunkedGroupedMatmul, RaggedDot
+from dropless.backends.capacity import CapacityGroupedMatmul
+from dropless.backends.chunked import ChunkedGroupedMatmul
+from dropless.backends.ragged import RaggedDot
 from dropless.moe import MoE
 from dropless.routing import RoutingSpec
 from dropless.swiglu import SwiGLU

@@ -1,7 +1,6 @@
 """The MoE's row gathers by XLA and by the library's Pallas kernel (Triton lowering), on a GPU.
 
     python experiments/bench_row_gather.py [--tokens 49152] [--dim 1024] [--k 6]
-    python experiments/bench_row_gather.py --step --batch 24     # also the proxy-2b train step
     python experiments/bench_row_gather.py --tokens 8192 --dim 7168 --k 8    # DeepSeek-V3 width
 
 Two gathers of bf16 rows run at every MoE layer: the dispatch's expansion (`x[order // k]`) and
@@ -9,14 +8,12 @@ the combine's backward (`dy[order // k] * w`, with the routing weights' gradient
 rows). `dropless.backends.row_gather.gather_rows` loads and stores whole `[32 1024]` tiles and
 computes that gradient's dot products while the rows are loaded. Prints each kernel's time
 (CUPTI on a GPU, wall time elsewhere) over XLA's for the same work, measured in the same run,
-and how far the two results are apart. With --step, the train step (pallas backend, cuDNN
-attention, unrolled layers) with `SortDispatcher`, `PallasSortDispatcher` (the kernel for the
-expansion) and `PallasSortDispatcher(fused_combine_backward=True)`, in one process.
+and how far the two results are apart. (No dispatcher uses the kernel: in the train step it
+gained nothing measurable.)
 """
 
 import argparse
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -86,33 +83,8 @@ def main():
     parser.add_argument("--tokens", type=int, default=49152, help="proxy-2b batch 24 x 2048")
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--k", type=int, default=6)
-    parser.add_argument("--step", action="store_true", help="also the proxy-2b train step")
-    parser.add_argument("--batch", type=int, default=24, help="train-step batch (x 2048)")
     args = parser.parse_args()
     kernels(args.tokens, args.dim, args.k)
-    if args.step:
-        from bench_train import compare
-
-        from dropless.backends import get_backend
-        from dropless.backends.row_gather import PallasSortDispatcher
-        from dropless.models.deepseek_v3 import get_preset
-
-        config = get_preset(
-            "proxy-2b", compute_dtype="bfloat16", unroll_layers=True, attention_impl="cudnn"
-        )
-        pallas = get_backend("pallas")
-
-        def with_dispatcher(dispatcher):
-            return {"backend": eqx.tree_at(lambda b: b.dispatcher, pallas, dispatcher)}
-
-        variants = {
-            "SortDispatcher (XLA's gathers)": {"backend": pallas},
-            "PallasSortDispatcher (expansion)": with_dispatcher(PallasSortDispatcher()),
-            "PallasSortDispatcher (expansion, fused combine bwd)": with_dispatcher(
-                PallasSortDispatcher(fused_combine_backward=True)
-            ),
-        }
-        compare(config, "pallas", variants, batch=args.batch)
 
 
 if __name__ == "__main__":

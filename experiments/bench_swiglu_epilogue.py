@@ -4,9 +4,9 @@ kernel followed by XLA's SwiGLU, on a Hopper GPU (kernel time).
     python experiments/bench_swiglu_epilogue.py [--cases 1024x512@64x4608,7168x2048@8x2048]
 
 A case K x HIDDEN @ EXPERTS x ROWS multiplies EXPERTS x ROWS rows of width K (balanced groups)
-by [K, 2 x HIDDEN] gate-and-up weights. "separate": `mosaic_gmm.grouped_matmul` on the plain
+by [K, 2 x HIDDEN] gate-and-up weights. "separate": `mosaic.grouped_matmul` on the plain
 `[gate | up]` weights, then `silu(gate) * up` by XLA (the library's path); "fused":
-`mosaic_gmm.grouped_matmul_swiglu` on the interleaved weights, both outputs kept (the backward
+`mosaic.grouped_matmul_swiglu` on the interleaved weights, both outputs kept (the backward
 needs the gate and up). Prints both times, fused over separate, and how far the two hidden
 outputs are apart. `--interpret`: Mosaic GPU's interpreter on any device (tiny cases; for tests).
 """
@@ -17,7 +17,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from dropless.backends import mosaic_gmm
+from dropless.backends import mosaic
 from dropless.swiglu import swiglu
 
 
@@ -26,7 +26,7 @@ def measure(cases: list[str], interpret: bool = False) -> list[dict]:
 
     # The interpreter takes seconds a call: one timed call, after the outputs' call below.
     timed = (lambda f, *a: median_time(f, *a, repeats=1, warmup=0)) if interpret else kernel_time
-    config = mosaic_gmm.KernelConfig(tile_m=64, tile_n=64, band=2) if interpret else None
+    config = mosaic.KernelConfig(tile_m=64, tile_n=64, band=2) if interpret else None
     rows_out = []
     for case in cases:
         widths, layout = case.split("@")
@@ -40,14 +40,14 @@ def measure(cases: list[str], interpret: bool = False) -> list[dict]:
         )
         sizes = jnp.full((experts,), per, jnp.int32)
         plain = jnp.concatenate([w_gate, w_up], axis=-1)
-        interleaved = mosaic_gmm.interleave_gate_up(w_gate, w_up, config)
+        interleaved = mosaic.interleave_gate_up(w_gate, w_up, config)
 
         def separate(x, w, s):
-            gate_up = mosaic_gmm.grouped_matmul(x, w, s, config=config)
+            gate_up = mosaic.grouped_matmul(x, w, s, config=config)
             return gate_up, swiglu(gate_up)
 
         def fused(x, w, s):
-            return mosaic_gmm.grouped_matmul_swiglu(x, w, s, config=config)
+            return mosaic.grouped_matmul_swiglu(x, w, s, config=config)
 
         separate, fused = jax.jit(separate), jax.jit(fused)
         h_separate = separate(x, plain, sizes)[1].astype(jnp.float32)
@@ -79,7 +79,7 @@ def main(argv=None) -> list[dict]:
     if args.interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-        mosaic_gmm.INTERPRET = InterpretGPUParams()
+        mosaic.launch.INTERPRET = InterpretGPUParams()
     rows = measure(args.cases.split(","), args.interpret)
     print_table(rows, f"gate-and-up grouped matmul with its SwiGLU, {machine()}")
     write_results(args.out, "swiglu_epilogue", rows, {"machine": machine()})

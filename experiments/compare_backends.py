@@ -22,8 +22,8 @@ from _common import cross_entropy, parser  # noqa: E402
 from _timing import machine, median_time, print_table, write_results  # noqa: E402
 
 import dropless  # noqa: E402
-from dropless.backends.jnp import SortDispatcher  # noqa: E402
 from dropless.backends.oracle import OneHotGroupedMatmul, oracle_moe  # noqa: E402
+from dropless.backends.sort import SortDispatcher  # noqa: E402
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset  # noqa: E402
 from dropless.train import SyntheticCorpus  # noqa: E402
 

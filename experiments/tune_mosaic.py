@@ -1,4 +1,4 @@
-"""Search tile settings for our Mosaic GPU grouped-matmul kernels (`dropless.backends.mosaic_gmm`).
+"""Search tile settings for our Mosaic GPU grouped-matmul kernels (`dropless.backends.mosaic`).
 
     python experiments/tune_mosaic.py [--cases 7168x2048@8x2048,...|proxy] [--ops fwd,dgrad,wgrad]
 
@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from _timing import kernel_time, machine, median_time, print_table, write_results
 
-from dropless.backends import mosaic_gmm, pallas
+from dropless.backends import mosaic, pallas
 
-KC, WC = mosaic_gmm.KernelConfig, mosaic_gmm.WeightGradConfig
+KC, WC = mosaic.KernelConfig, mosaic.WeightGradConfig
 ROW_CANDIDATES = {  # fwd and dgrad: rows x (2 x columns) per thread block, stages, band
     "128x2x128 s3 b4": KC(),
     "128x2x128 s3 b8": KC(band=8),
@@ -70,7 +70,7 @@ DEFAULTS = {"fwd": "128x2x128 s3 b4", "dgrad": "128x2x128 s3 b4", "wgrad": "2x12
 def default_name(op: str, experts: int, rows_per_expert: int) -> str:
     """The candidate the library runs by default for `op` at this layout."""
     if op == "wgrad":
-        config = mosaic_gmm.weight_grad_config_for(experts * rows_per_expert, experts)
+        config = mosaic.weight_grad_config_for(experts * rows_per_expert, experts)
         named = [name for name, c in WGRAD_CANDIDATES.items() if c == config]
         return named[0] if named else DEFAULTS[op]
     return DEFAULTS[op]
@@ -79,15 +79,15 @@ def default_name(op: str, experts: int, rows_per_expert: int) -> str:
 def applies(op: str, config, k: int, n: int) -> bool:
     """Whether a candidate can run `op` of a forward [K -> N] (tiles, stages, chain)."""
     if op == "wgrad":
-        return mosaic_gmm.weight_grad_fits(k, n, config)
-    return mosaic_gmm.matmul_fits(*((k, n) if op == "fwd" else (n, k)), config)
+        return mosaic.weight_grad_fits(k, n, config)
+    return mosaic.matmul_fits(*((k, n) if op == "fwd" else (n, k)), config)
 
 
 def kernel(op: str, config):
     if op == "wgrad":
-        return lambda a, b, s: mosaic_gmm.grouped_weight_grad(a, b, s, config=config)
+        return lambda a, b, s: mosaic.grouped_weight_grad(a, b, s, config=config)
     t = op == "dgrad"
-    return lambda a, b, s: mosaic_gmm.grouped_matmul(a, b, s, transpose_rhs=t, config=config)
+    return lambda a, b, s: mosaic.grouped_matmul(a, b, s, transpose_rhs=t, config=config)
 
 
 def operands(op: str, x, w, g):

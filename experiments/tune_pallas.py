@@ -7,9 +7,9 @@ wgrad x.T @ g per group), checks every tile configuration of a grid for exactnes
 empty groups (some are not), times the exact ones on balanced groups (kernel time from Mosaic
 GPU's profiler), and prints the best beside a dense matmul of equal FLOPs timed the same way.
 Ends with the entries to paste into `dropless.backends.pallas.TUNED`. Needs a Hopper GPU.
-These are JAX's kernels (`PallasGroupedMatmul(kernels="jax")`, and the default's weight gradient
-where our kernel's tiles do not divide the widths); our own kernels take their tiles from
-`dropless.backends.mosaic_gmm` (`config_for`, `WeightGradConfig`).
+These are JAX's kernels (`PallasGroupedMatmul`'s weight gradient where our kernel's tiles do not
+divide the widths); our own kernels take their tiles from
+`dropless.backends.mosaic` (`config_for`, `WeightGradConfig`).
 """
 
 import argparse

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dropless.backends.jnp import SortDispatcher, permute_rows
 from dropless.backends.oracle import expert_of_row
+from dropless.backends.sort import SortDispatcher, permute_rows
 from dropless.routing import JnpTopK, RoutingSpec
 
 SHAPES = [(16, 8, 2), (33, 4, 4), (64, 16, 3)]  # tokens, experts, k

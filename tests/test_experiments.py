@@ -202,9 +202,9 @@ def test_mosaic_tile_search_rejects_inexact_settings(tmp_path, monkeypatch, caps
     sys.modules.pop("tune_mosaic", None)
     import tune_mosaic
 
-    from dropless.backends import mosaic_gmm, pallas
+    from dropless.backends import mosaic, pallas
 
-    wrong = mosaic_gmm.KernelConfig(band=2)
+    wrong = mosaic.KernelConfig(band=2)
 
     def grouped_matmul(a, b, group_sizes, *, transpose_rhs=False, config=None):
         out = pallas.reference_op("dgrad" if transpose_rhs else "fwd", a, b, group_sizes)
@@ -218,12 +218,12 @@ def test_mosaic_tile_search_rejects_inexact_settings(tmp_path, monkeypatch, caps
         fn(*args).block_until_ready()
         return time.perf_counter() - start
 
-    monkeypatch.setattr(mosaic_gmm, "grouped_matmul", grouped_matmul)
-    monkeypatch.setattr(mosaic_gmm, "grouped_weight_grad", grouped_weight_grad)
+    monkeypatch.setattr(mosaic, "grouped_matmul", grouped_matmul)
+    monkeypatch.setattr(mosaic, "grouped_weight_grad", grouped_weight_grad)
     monkeypatch.setattr(tune_mosaic, "kernel_time", kernel_time)
-    rows = {"default": mosaic_gmm.KernelConfig(), "wrong": wrong}
+    rows = {"default": mosaic.KernelConfig(), "wrong": wrong}
     monkeypatch.setattr(tune_mosaic, "ROW_CANDIDATES", rows)
-    monkeypatch.setattr(tune_mosaic, "WGRAD_CANDIDATES", {"default": mosaic_gmm.WeightGradConfig()})
+    monkeypatch.setattr(tune_mosaic, "WGRAD_CANDIDATES", {"default": mosaic.WeightGradConfig()})
     monkeypatch.setattr(
         tune_mosaic, "DEFAULTS", dict.fromkeys(("fwd", "dgrad", "wgrad"), "default")
     )
@@ -522,9 +522,9 @@ def test_swiglu_epilogue_bench_in_the_interpreter(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(EXPERIMENTS))
     pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
     bench = load("bench_swiglu_epilogue")
-    from dropless.backends import mosaic_gmm
+    from dropless.backends import mosaic
 
-    monkeypatch.setattr(mosaic_gmm, "INTERPRET", None)  # main sets it; restored after the test
+    monkeypatch.setattr(mosaic.launch, "INTERPRET", None)  # main sets it; restored after the test
     rows = bench.main(["--interpret", "--cases", "128x64@3x40", "--out", str(tmp_path)])
     assert [r["case"] for r in rows] == ["128x64@3x40"]
     assert rows[0]["separate ms"] > 0 and rows[0]["fused ms"] > 0 and rows[0]["rel diff"] < 1e-2

@@ -24,7 +24,7 @@ FRESH_PAGES = textwrap.dedent(
     import dropless
     applied = dropless.keep_freed_memory() if sys.argv[1] == "keep" else False
     import jax, jax.numpy as jnp
-    from dropless.backends.jnp import chunked_grouped_matmul
+    from dropless.backends.chunked import chunked_grouped_matmul
     rows, experts = 4096, 128
     lhs, rhs = jnp.ones((rows, 256)), jnp.ones((experts, 256, 512))
     group_sizes = jnp.full((experts,), rows // experts, jnp.int32)

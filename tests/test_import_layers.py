@@ -11,28 +11,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dropless"
-LAYERS = {"core": 0, "nn": 1, "models": 2, "train": 3, "cli": 4}
+LAYERS = {"core": 0, "nn": 1, "models": 2, "data": 2, "train": 3, "cli": 4}
 
-# Offenders in files that other branches of issue 41 own, listed so that this test passes
-# meanwhile; each is removed there, and this list is then emptied. (module, imported module)
-ALLOWED = {
-    # backends: `oracle` imports the MoE layer (backends never import moe)
-    ("dropless.backends.oracle", "dropless.moe"),
-    # backends: registry imports inside functions (the backends helper removes them)
-    ("dropless.backends.ep", "dropless.backends"),
-    ("dropless.backends.nccl_ep", "dropless.backends"),
-    ("dropless.backends.nccl_ep", "dropless.backends.ep"),
-    ("dropless.backends.pallas", "dropless.backends.mosaic_gmm"),  # gated on Mosaic GPU
-    # train / cli: imports inside functions, and config <-> optim (the train helper removes them)
-    ("dropless.cli", "dropless.backends"),
-    ("dropless.cli", "dropless.models.deepseek_v3"),
-    ("dropless.cli", "dropless.train.checkpoint"),
-    ("dropless.cli", "dropless.train.compile_cache"),
-    ("dropless.cli", "dropless.train.loop"),
-    ("dropless.cli", "dropless.train.metrics"),
-    ("dropless.train.config", "dropless.sharding"),
-    ("dropless.train.config", "dropless.train.optim"),
-}
+# Known exceptions, (module, imported module): none.
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -117,7 +99,7 @@ def violations() -> list[tuple[str, str, str]]:
 
 
 def test_the_layers_are_known():
-    assert layer("dropless") == layer("dropless.moe") == layer("dropless.backends.jnp") == 0
+    assert layer("dropless") == layer("dropless.moe") == layer("dropless.backends.sort") == 0
     assert layer("dropless.swiglu") == layer("dropless.sharding") == 0
     assert layer("dropless.nn.mla") == 1
     assert layer("dropless.models.deepseek_v3.block") == 2

@@ -13,8 +13,10 @@ from jaxtyping import TypeCheckError
 
 import dropless
 from dropless.backends import Backend, BackendUnavailableError, get_backend, with_backend
-from dropless.backends.jnp import ChunkedGroupedMatmul, SortDispatcher
+from dropless.backends.chunked import ChunkedGroupedMatmul
 from dropless.backends.oracle import oracle_moe
+from dropless.backends.sort import SortDispatcher
+from dropless.dispatch import AbstractDispatcher
 from dropless.moe import MoE
 from dropless.routing import JnpTopK, RoutingSpec
 
@@ -121,8 +123,14 @@ def test_weights_before_down_equals_the_oracle(case):
 KEY = jax.random.key(0)
 
 
-class _NoRowWeights(SortDispatcher):
-    supports_row_weights = False
+class _NoRowWeights(AbstractDispatcher):
+    """`SortDispatcher`'s dispatch and combine, without row weights."""
+
+    def _dispatch(self, x, routing):
+        return SortDispatcher().dispatch(x, routing)
+
+    def _combine(self, y_rows, dispatched, routing):
+        return SortDispatcher().combine(y_rows, dispatched, routing)
 
 
 def test_weights_before_down_needs_row_weights():
@@ -206,14 +214,14 @@ def test_missing_te_names_what_to_install():
 def test_auto_without_te(monkeypatch, gpu):
     """Without TE, 'auto' is the chunked 'jnp' on a CPU and 'jnp-capacity' on a GPU before
     Hopper (warning that TE is missing), whose batched matmul does not wait on the host."""
-    import dropless.backends as backends
+    from dropless.backends import registry as backends
 
     def missing():
         raise BackendUnavailableError("needs `pip install 'transformer-engine[jax]'`")
 
     monkeypatch.setitem(backends.BACKENDS, "te-gmm", missing)
-    monkeypatch.setattr(backends, "_has_gpu", lambda: gpu)
-    monkeypatch.setattr(backends, "_is_hopper", lambda: False)  # a Hopper GPU takes pallas
+    monkeypatch.setattr(backends, "has_gpu", lambda: gpu)
+    monkeypatch.setattr(backends, "is_hopper", lambda: False)  # a Hopper GPU takes pallas
     backends._auto_choice.cache_clear()
     try:
         if gpu:
@@ -263,7 +271,7 @@ def test_bad_seq_len_names_the_argument(seq_len):
         moe(jnp.zeros((4, 12)), seq_len=seq_len)
 
 
-_DISPATCHER = "Backend.dispatcher must be an AbstractDispatcher, got "
+_DISPATCHER = "Backend.dispatcher must be an AbstractDispatcher or None, got "
 
 
 @pytest.mark.parametrize(
@@ -273,7 +281,7 @@ _DISPATCHER = "Backend.dispatcher must be an AbstractDispatcher, got "
         ((ChunkedGroupedMatmul(), SortDispatcher()), _DISPATCHER + "ChunkedGroupedMatmul()"),
         (
             (SortDispatcher(), SortDispatcher()),
-            "Backend.gmm must be an AbstractGroupedMatmul, got SortDispatcher()",
+            "Backend.gmm must be an AbstractGroupedMatmul or None, got SortDispatcher()",
         ),
         (
             (SortDispatcher(), ChunkedGroupedMatmul(), "jnp"),

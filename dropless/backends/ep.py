@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from dropless.backends.jnp import ChunkedGroupedMatmul, permute_rows
+from dropless.backends.backend import Backend
+from dropless.backends.chunked import ChunkedGroupedMatmul
+from dropless.backends.sort import permute_rows
 from dropless.balance import expert_counts
 from dropless.dispatch import AbstractDispatcher, Dispatched
 from dropless.routing import JnpTopK
@@ -198,7 +200,7 @@ class AllToAllPlan(eqx.Module):
     back: RaggedOffsets | None = None
 
 
-def _axis_size(axis_name: str) -> int:
+def axis_size(axis_name: str) -> int:
     try:
         return jax.lax.axis_size(axis_name)
     except NameError:
@@ -257,7 +259,7 @@ class AllToAllDispatcher(AbstractDispatcher):
             )
 
     def _dispatch(self, x, routing):
-        ep = _axis_size(self.axis_name)
+        ep = axis_size(self.axis_name)
         tokens, k = routing.expert_ids.shape
         n_experts = routing.scores.shape[-1]
         if n_experts % ep:
@@ -367,8 +369,6 @@ def ep_backend(
     exchange: Exchange = "auto",
 ):
     """The "ep" bundle: all-to-all dispatch over `axis_name`, chunked grouped matmul, jnp top-k."""
-    from dropless.backends import Backend  # the registry imports this module lazily
-
     dispatcher = AllToAllDispatcher(
         axis_name=axis_name, recv_factor=recv_factor, overflow=overflow, exchange=exchange
     )

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from dropless.backends.ep import check_ep_settings
-from dropless.backends.jnp import ChunkedGroupedMatmul
+from dropless.backends.backend import Backend, BackendUnavailableError
+from dropless.backends.chunked import ChunkedGroupedMatmul
+from dropless.backends.ep import OVERFLOW_MESSAGE, axis_size, check_ep_settings
 from dropless.dispatch import AbstractDispatcher, Dispatched
 from dropless.routing import JnpTopK
 
@@ -129,8 +130,6 @@ def missing_requirements(devices: "list[jax.Device] | None" = None) -> list[str]
 
 def check_available(devices: "list[jax.Device] | None" = None) -> None:
     """Raises `BackendUnavailableError` naming everything NCCL EP lacks here."""
-    from dropless.backends import BackendUnavailableError
-
     missing = missing_requirements(devices)
     if missing:
         raise BackendUnavailableError("backend 'nccl_ep' needs: " + "; ".join(missing))
@@ -301,9 +300,7 @@ class NcclEPDispatcher(AbstractDispatcher):
                 "(or use the 'ep' backend, which takes any dtype)"
             )
         check_available()
-        from dropless.backends.ep import _axis_size
-
-        ep = _axis_size(self.axis_name)
+        ep = axis_size(self.axis_name)
         tokens, k = routing.expert_ids.shape
         capacity = self._capacity(tokens, k, routing.scores.shape[-1], ep)
         rows, weights, handle, counts, demand = _dispatch(
@@ -317,8 +314,6 @@ class NcclEPDispatcher(AbstractDispatcher):
         dropped = jnp.maximum(demand - capacity, 0).astype(jnp.float32)
         if self.recv_factor is not None and self.overflow == "raise":
             anywhere = jax.lax.psum(dropped, self.axis_name)
-            from dropless.backends.ep import OVERFLOW_MESSAGE
-
             flag = eqx.error_if(jnp.zeros((), rows.dtype), anywhere > 0, OVERFLOW_MESSAGE)
             rows = rows + flag
         plan = NcclEPPlan(handle_mem=handle, recv_weights=weights)
@@ -345,8 +340,6 @@ def nccl_ep_backend(
 ):
     """The "nccl_ep" bundle: NCCL EP dispatch, chunked grouped matmul, jnp top-k. Raises
     `BackendUnavailableError` (naming what is missing) on machines that cannot run it."""
-    from dropless.backends import Backend
-
     check_available()
     dispatcher = NcclEPDispatcher(axis_name=axis_name, recv_factor=recv_factor, overflow=overflow)
     return Backend(dispatcher=dispatcher, gmm=ChunkedGroupedMatmul(), topk=JnpTopK())

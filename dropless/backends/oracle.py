@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from dropless.experts import AbstractGroupedMatmul
-from dropless.moe import MoE
 
 
 def expert_of_row(group_sizes: Int[Array, " experts"], rows: int) -> Int[Array, " rows"]:
@@ -27,8 +26,9 @@ class OneHotGroupedMatmul(AbstractGroupedMatmul):
         return jnp.einsum("re,rd,edo->ro", owner, lhs, rhs)
 
 
-def oracle_moe(moe: MoE, x: Float[Array, "tokens dim"]) -> Float[Array, "tokens dim"]:
-    """y[t] = sum_k w[t,k] * FFN_{e[t,k]}(x[t]) (+ shared experts), every expert on every token."""
+def oracle_moe(moe, x: Float[Array, "tokens dim"]) -> Float[Array, "tokens dim"]:
+    """y[t] = sum_k w[t,k] * FFN_{e[t,k]}(x[t]) (+ shared experts), every expert on every token,
+    for an `MoE` layer `moe` (its router, experts' weights and shared experts)."""
     routing = moe.router(x)
     n_experts = routing.scores.shape[-1]
     # combine_weights[t, e] = weight of expert e for token t (0 when not chosen)

@@ -1,13 +1,11 @@
 """A TE-free fast grouped GEMM for Hopper GPUs, on Mosaic GPU (Pallas) kernels.
 
-`kernels="dropless"` (the default): our warp-specialised kernels (`mosaic_gmm`) for the forward,
-the input gradient and, where its tiles divide the widths, the weight gradient. `kernels="jax"`:
-JAX's `ragged_dot_mgpu.ragged_dot` (`transpose_rhs` for the input gradient) and
-`transposed_ragged_dot_mgpu.transposed_ragged_dot` (the weight gradient, also the fallback of the
-default). A custom VJP ties them together. JAX's kernels take tile sizes from a table per
-operation and shape (`TUNED`, empty as shipped, and the JSON file named by
-`$DROPLESS_PALLAS_TILES` that `experiments/tune_pallas.py --tiles-out` writes), with a default
-that is valid whenever widths are multiples of 128.
+Our warp-specialised kernels (`mosaic`) compute the forward, the input gradient and, where
+their tiles divide the widths, the weight gradient; elsewhere the weight gradient is JAX's
+`transposed_ragged_dot_mgpu.transposed_ragged_dot`. A custom VJP ties them together. JAX's
+kernels take tile sizes from a table per operation and shape (`TUNED`, empty as shipped, and the
+JSON file named by `$DROPLESS_PALLAS_TILES` that `tune_pallas.py --tiles-out` writes), with a
+default that is valid whenever widths are multiples of 128.
 """
 
 import dataclasses
@@ -21,9 +19,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from dropless.backends import Backend, BackendUnavailableError, _is_hopper
-from dropless.backends.jnp import CapacityGroupedMatmul, SortDispatcher
-from dropless.experts import AbstractGroupedMatmul
+from dropless.backends import mosaic
+from dropless.backends.backend import Backend, BackendUnavailableError, is_hopper
+from dropless.backends.capacity import CapacityGroupedMatmul
+from dropless.backends.sort import SortDispatcher
+from dropless.experts import AbstractFusedSwiGLUMatmul, AbstractGroupedMatmul, gate_up_swiglu
 from dropless.routing import JnpTopK
 
 
@@ -43,13 +43,12 @@ class BlockConfig:
 
 Op = Literal["fwd", "dgrad", "wgrad"]
 
-# Chosen on one GPU by experiments/tune_pallas.py (see docs/benchmarks.md), keyed by the
-# operation and the forward's (in width, out width): "fwd" is x @ w, "dgrad" g @ w.T, "wgrad"
-# x.T @ g per group. Shapes not listed get the default BlockConfig. A JSON file of the same
-# entries (tune_pallas.py --tiles-out), named by $DROPLESS_PALLAS_TILES, adds to or overrides it.
-# Empty on purpose: the 12 tilings found on an H200 on 2026-12-02 (docs/benchmarks.md) were
-# searched on balanced groups only, and on uneven groups 8 of the 24 exactness tests
-# (test_pallas_tuned_tiles_are_exact) then failed; the search now rejects inexact tilings.
+# Chosen on one GPU by tune_pallas.py, keyed by the operation and the forward's (in width, out
+# width): "fwd" is x @ w, "dgrad" g @ w.T, "wgrad" x.T @ g per group. Shapes not listed get the
+# default BlockConfig. A JSON file of the same entries (tune_pallas.py --tiles-out), named by
+# $DROPLESS_PALLAS_TILES, adds to or overrides it. Empty on purpose: the 12 tilings found on an
+# H200 were searched on balanced groups only, and on uneven groups 8 of the 24 exactness tests
+# (test_pallas_tiles_are_exact) then failed; the search now rejects inexact tilings.
 TUNED: dict[tuple[Op, int, int], BlockConfig] = {}
 TILES_ENV = "DROPLESS_PALLAS_TILES"
 
@@ -91,7 +90,7 @@ def check_divides(op: Op, cfg: BlockConfig, in_width: int, out_width: int) -> No
 
 @functools.cache
 def load_kernels():
-    if not _is_hopper():  # the kernels' warpgroup matmuls exist from compute capability 9.0 only
+    if not is_hopper():  # the kernels' warpgroup matmuls exist from compute capability 9.0 only
         device = jax.devices()[0]
         raise BackendUnavailableError(
             "the Pallas grouped matmul needs an NVIDIA Hopper GPU (compute capability 9.x); "
@@ -99,8 +98,6 @@ def load_kernels():
         )
     try:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-
-        from dropless.backends import mosaic_gmm  # noqa: F401  (needs the same Mosaic GPU)
     except ImportError as err:
         raise BackendUnavailableError(
             f"Mosaic GPU kernels are not importable: {err} (they come with JAX's CUDA build, "
@@ -130,112 +127,77 @@ def reference_op(op: Op, a, b, group_sizes):
     return jnp.take_along_axis(every, owner[:, None, None], axis=1)[:, 0]
 
 
-Kernels = Literal["dropless", "jax"]
+@jax.custom_vjp
+def pallas_grouped_matmul(lhs, rhs, group_sizes):
+    return mosaic.grouped_matmul(lhs, rhs, group_sizes)
 
 
-def row_op(op: Op, a, b, group_sizes, kernels: Kernels):
-    """fwd(x, w) or dgrad(g, w), one output row per input row, on the chosen kernels."""
-    if op not in ("fwd", "dgrad"):
-        raise ValueError(f"row_op: op={op!r} must be 'fwd' or 'dgrad'")
-    in_width, out_width = b.shape[1:]
-    if kernels == "jax":
-        return run_op(op, a, b, group_sizes, block_config(op, in_width, out_width))
-    from dropless.backends import mosaic_gmm
-
-    return mosaic_gmm.grouped_matmul(a, b, group_sizes, transpose_rhs=op == "dgrad")
+def _fwd(lhs, rhs, group_sizes):
+    return pallas_grouped_matmul(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def pallas_grouped_matmul(lhs, rhs, group_sizes, kernels: Kernels = "dropless"):
-    return row_op("fwd", lhs, rhs, group_sizes, kernels)
-
-
-def _fwd(lhs, rhs, group_sizes, kernels):
-    return pallas_grouped_matmul(lhs, rhs, group_sizes, kernels), (lhs, rhs, group_sizes)
-
-
-def _bwd(kernels, res, g):
+def _bwd(res, g):
     lhs, rhs, group_sizes = res
     g = g.astype(lhs.dtype)
-    dlhs = row_op("dgrad", g, rhs, group_sizes, kernels)
-    return dlhs, _weight_grad(lhs, g, group_sizes, kernels).astype(rhs.dtype), None
+    dlhs = mosaic.grouped_matmul(g, rhs, group_sizes, transpose_rhs=True)
+    return dlhs, _weight_grad(lhs, g, group_sizes).astype(rhs.dtype), None
 
 
 pallas_grouped_matmul.defvjp(_fwd, _bwd)
 
 
-def _weight_grad(lhs, g, group_sizes, kernels: Kernels):
-    from dropless.backends import mosaic_gmm
-
+def _weight_grad(lhs, g, group_sizes):
+    """Our weight-gradient kernel where its tiles divide the widths, JAX's elsewhere."""
     in_width, out_width = lhs.shape[1], g.shape[1]
-    if kernels == "dropless" and mosaic_gmm.weight_grad_fits(in_width, out_width):
-        return mosaic_gmm.grouped_weight_grad(lhs, g, group_sizes)
+    if mosaic.weight_grad_fits(in_width, out_width):
+        return mosaic.grouped_weight_grad(lhs, g, group_sizes)
     return run_op("wgrad", lhs, g, group_sizes, block_config("wgrad", in_width, out_width))
 
 
 @jax.custom_vjp
 def pallas_gate_up_swiglu(rows, w_interleaved, group_sizes, row_scale=None):
-    """SwiGLU of the gate-and-up grouped matmul in one kernel (`mosaic_gmm.grouped_matmul_swiglu`;
-    the weights interleaved by `mosaic_gmm.interleave_gate_up`), times `row_scale` per row in
-    the same epilogue if given, with an exact VJP: the SwiGLU's gradient (and the scale's) from
-    the saved gate and up, then our input- and weight-gradient kernels."""
-    from dropless.backends import mosaic_gmm
-
-    _, hidden = mosaic_gmm.grouped_matmul_swiglu(
-        rows, w_interleaved, group_sizes, row_scale=row_scale
-    )
+    """SwiGLU of the gate-and-up grouped matmul in one kernel (`mosaic.grouped_matmul_swiglu`;
+    the weights interleaved by `mosaic.interleave_gate_up`), times `row_scale` per row in the
+    same epilogue if given, with an exact VJP: the SwiGLU's gradient (and the scale's) from the
+    saved gate and up, then our input- and weight-gradient kernels."""
+    _, hidden = mosaic.grouped_matmul_swiglu(rows, w_interleaved, group_sizes, row_scale=row_scale)
     return hidden
 
 
 def _swiglu_fwd(rows, w_interleaved, group_sizes, row_scale):
-    from dropless.backends import mosaic_gmm
-
-    gate_up, hidden = mosaic_gmm.grouped_matmul_swiglu(
+    gate_up, hidden = mosaic.grouped_matmul_swiglu(
         rows, w_interleaved, group_sizes, row_scale=row_scale
     )
     return hidden, (rows, w_interleaved, group_sizes, gate_up, row_scale)
 
 
 def _swiglu_bwd(res, d_hidden):
-    from dropless.backends import mosaic_gmm
-
     rows, w, group_sizes, gate_up, row_scale = res
-    d_gate_up, d_scale = mosaic_gmm.swiglu_grad_interleaved(gate_up, d_hidden, row_scale=row_scale)
+    d_gate_up, d_scale = mosaic.swiglu_grad_interleaved(gate_up, d_hidden, row_scale=row_scale)
     d_gate_up = d_gate_up.astype(rows.dtype)
     if d_scale is not None:
         d_scale = d_scale.astype(row_scale.dtype)
-    d_rows = row_op("dgrad", d_gate_up, w, group_sizes, "dropless")
-    d_w = _weight_grad(rows, d_gate_up, group_sizes, "dropless").astype(w.dtype)
+    d_rows = mosaic.grouped_matmul(d_gate_up, w, group_sizes, transpose_rhs=True)
+    d_w = _weight_grad(rows, d_gate_up, group_sizes).astype(w.dtype)
     return d_rows, d_w, None, d_scale
 
 
 pallas_gate_up_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-class PallasGroupedMatmul(AbstractGroupedMatmul):
+class PallasGroupedMatmul(AbstractFusedSwiGLUMatmul):
     """Grouped GEMM on Mosaic GPU kernels (Hopper, bf16/fp16), with an exact custom VJP.
-    `kernels`: "dropless" (ours, faster with many experts) or "jax" (JAX's, for comparison).
     `fallback`: the strategy for expert widths the kernels cannot tile (not multiples of 128);
     without one, such widths raise. `fused_swiglu` (opt-in until timed on an H200;
     docs/design.md): the experts' gate-and-up matmul computes its SwiGLU in the kernel's
-    epilogue (`pallas_gate_up_swiglu`; our kernels only)."""
+    epilogue (`pallas_gate_up_swiglu`)."""
 
     requires_gpu: ClassVar[bool] = True
     compute_dtype: str = eqx.field(default="bfloat16", static=True)
-    kernels: Kernels = eqx.field(default="dropless", static=True)
     fallback: AbstractGroupedMatmul | None = None
     fused_swiglu: bool = eqx.field(default=False, static=True)
 
     def __check_init__(self):
-        if self.kernels not in ("dropless", "jax"):
-            raise ValueError(
-                f"PallasGroupedMatmul.kernels={self.kernels!r} must be 'dropless' or 'jax'"
-            )
-        if self.fused_swiglu and self.kernels != "dropless":
-            raise ValueError(
-                "PallasGroupedMatmul.fused_swiglu=True needs kernels='dropless' (the fused "
-                f"epilogue is ours), got kernels={self.kernels!r}"
-            )
         if self.compute_dtype not in ("bfloat16", "float16"):
             raise ValueError(
                 f"PallasGroupedMatmul.compute_dtype={self.compute_dtype!r} must be 'bfloat16' "
@@ -247,27 +209,25 @@ class PallasGroupedMatmul(AbstractGroupedMatmul):
         if in_width % 128 or out_width % 128:
             if self.fallback is not None:
                 return self.fallback(lhs, rhs, group_sizes)
-            # Checked here, not in the backward: every kernel of both sets tiles both widths.
+            # Checked here, not in the backward: every kernel used tiles both widths.
             raise ValueError(
                 f"PallasGroupedMatmul: expert weights of widths [{in_width} {out_width}]: both "
                 "must be multiples of 128 (the kernels' tiles); PallasGroupedMatmul(fallback=...) "
                 "sends such layers to another strategy"
             )
         dt = jnp.dtype(self.compute_dtype)
-        out = pallas_grouped_matmul(
-            lhs.astype(dt), rhs.astype(dt), group_sizes.astype(jnp.int32), self.kernels
-        )
+        out = pallas_grouped_matmul(lhs.astype(dt), rhs.astype(dt), group_sizes.astype(jnp.int32))
         return out.astype(lhs.dtype)
 
     def gate_up_swiglu(self, rows, w_gate, w_up, group_sizes, row_scale=None):
-        from dropless.backends import mosaic_gmm
-
+        """The fused kernel with `fused_swiglu` where its tiles divide the widths; elsewhere
+        this strategy's matmul, then the SwiGLU (`experts.gate_up_swiglu`)."""
         dim, hidden = w_gate.shape[1:]
-        config = mosaic_gmm.config_for(2 * hidden)
-        if not self.fused_swiglu or not mosaic_gmm.matmul_fits(dim, 2 * hidden, config):
-            return super().gate_up_swiglu(rows, w_gate, w_up, group_sizes, row_scale)
+        config = mosaic.config_for(2 * hidden)
+        if not self.fused_swiglu or not mosaic.matmul_fits(dim, 2 * hidden, config):
+            return gate_up_swiglu(self, rows, w_gate, w_up, group_sizes, row_scale)
         dt = jnp.dtype(self.compute_dtype)
-        w = mosaic_gmm.interleave_gate_up(w_gate, w_up, config).astype(dt)
+        w = mosaic.interleave_gate_up(w_gate, w_up, config).astype(dt)
         hidden_rows = pallas_gate_up_swiglu(
             rows.astype(dt), w, group_sizes.astype(jnp.int32), row_scale
         )

@@ -1,28 +1,20 @@
-"""The sort dispatcher's row gathers as a Pallas kernel (Triton lowering), for GPUs.
+"""A row-gather kernel in Pallas (Triton lowering), for GPUs: the sort dispatcher's gathers.
 
 Two gathers of `tokens * k` rows run at every MoE layer: the dispatch's expansion
 `x[order // k]` and the combine's backward `dy[order // k] * w`. XLA writes bf16 rows at about
-half the bytes per second of float32 ones on an H200 (docs/benchmarks.md, fourteenth run); the
-kernel loads and stores whole tiles of `BLOCK_ROWS` rows by `column_block(dim)` columns instead,
-and for the combine's backward can also compute the routing weights' gradient (each row's dot
-product with the gathered `dy`) while the row is loaded. Values are those of `SortDispatcher`
-bitwise, except the weights' gradient, whose float32 dot products sum in another order. On an
-H200 the expansion is faster than XLA's, the fused backward slower than XLA's own one-pass
-fusion of the same two outputs (docs/benchmarks.md, seventeenth run), so `PallasSortDispatcher`
-uses the kernel for the expansion and leaves the backward to XLA unless asked.
+half the bytes per second of float32 ones on an H200; the kernel loads and stores whole tiles of
+`BLOCK_ROWS` rows by `column_block(dim)` columns instead, and can also compute the routing
+weights' gradient (each row's dot product with the gathered `dy`) while the row is loaded.
+On an H200 the expansion takes 0.70 of XLA's time, the fused backward 1.5x XLA's own one-pass
+fusion, and neither shows in the train step; so no dispatcher uses the kernel, and it is kept
+for the row-gather benchmark.
 """
 
-import functools
-from typing import ClassVar
-
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
-
-from dropless.backends import jnp as jnp_backend
 
 BLOCK_ROWS = 32  # rows per program: a [32 1024] bf16 tile is 64 KiB,
 MAX_COLUMNS = 1024
@@ -87,81 +79,3 @@ def gather_rows(
         interpret=interpret,
     )(*operands)
     return out[0] if not has_dot else (out[0], out[1].sum(axis=1))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def expand_rows(
-    interpret: bool,
-    x: Float[Array, "tokens dim"],
-    order: Int[Array, " copies"],
-    inverse: Int[Array, " copies"],
-) -> Float[Array, "copies dim"]:
-    """`jnp_backend.expand_rows` with the forward's gather by the kernel."""
-    return gather_rows(x, order // (order.shape[0] // x.shape[0]), interpret=interpret)
-
-
-def _expand_fwd(interpret, x, order, inverse):
-    return expand_rows(interpret, x, order, inverse), (x.shape[0], inverse)
-
-
-def _expand_bwd(interpret, res, g):
-    return jnp_backend._expand_bwd(res, g)
-
-
-expand_rows.defvjp(_expand_fwd, _expand_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def combine_rows(
-    interpret: bool,
-    y_rows: Float[Array, "copies dim"],
-    weights: Float[Array, "tokens k"],
-    order: Int[Array, " copies"],
-    inverse: Int[Array, " copies"],
-) -> Float[Array, "tokens dim"]:
-    """`jnp_backend.combine_rows` with the backward's gather and the weights' gradient in one
-    kernel."""
-    return jnp_backend._combine_fwd(y_rows, weights, order, inverse)[0]
-
-
-def _combine_fwd(interpret, y_rows, weights, order, inverse):
-    return combine_rows(interpret, y_rows, weights, order, inverse), (
-        y_rows,
-        weights,
-        order,
-        inverse,
-    )
-
-
-def _combine_bwd(interpret, res, dy):
-    y_rows, weights, order, inverse = res
-    tokens, k = weights.shape
-    w_rows = weights.reshape(-1)[order]
-    d_rows, row_dots = gather_rows(dy, order // k, w_rows, dot_with=y_rows, interpret=interpret)
-    d_weights = row_dots[inverse].reshape(tokens, k).astype(weights.dtype)
-    return d_rows.astype(y_rows.dtype), d_weights, None, None
-
-
-combine_rows.defvjp(_combine_fwd, _combine_bwd)
-
-
-class PallasSortDispatcher(jnp_backend.SortDispatcher):
-    """`SortDispatcher` with the dispatch's row expansion by `gather_rows` (GPU; `interpret=True`
-    runs the kernel's Python on any device, slowly, for tests). `fused_combine_backward=True`
-    also moves the combine's backward into the kernel; off by default, as on the H200 it measured
-    1.5x slower than XLA's own one-pass fusion of the same two outputs. Where `tokens * k` is not
-    a multiple of `BLOCK_ROWS`, XLA's gathers as in `SortDispatcher`."""
-
-    requires_gpu: ClassVar[bool] = True
-    interpret: bool = eqx.field(default=False, static=True)
-    fused_combine_backward: bool = eqx.field(default=False, static=True)
-
-    def _expand_rows(self, x, order, inverse):
-        if order.shape[0] % BLOCK_ROWS:
-            return super()._expand_rows(x, order, inverse)
-        return expand_rows(self.interpret, x, order, inverse)
-
-    def _combine_rows(self, y_rows, weights, order, inverse):
-        if not self.fused_combine_backward or order.shape[0] % BLOCK_ROWS:
-            return super()._combine_rows(y_rows, weights, order, inverse)
-        return combine_rows(self.interpret, y_rows, weights, order, inverse)

@@ -10,15 +10,14 @@ dropless' layout.
 import ctypes
 import functools
 import importlib
-import warnings
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from dropless.backends import Backend, BackendUnavailableError
-from dropless.backends.jnp import SortDispatcher
+from dropless.backends.backend import Backend, BackendUnavailableError
+from dropless.backends.sort import SortDispatcher
 from dropless.dispatch import AbstractDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul
 from dropless.routing import AbstractTopK, JnpTopK, Routing, RoutingSpec, score
@@ -74,31 +73,11 @@ def grouped_gemm_path() -> str:
     return "v2" if getattr(gemm, "_v2_grouped_gemm_available", False) else "multi-stream"
 
 
-def _fp8_quantizer_set(n_groups: int):
-    from transformer_engine.jax.quantize import QuantizerFactory, ScalingMode
-
-    return QuantizerFactory.create_set(
-        scaling_mode=ScalingMode.CURRENT_TENSOR_SCALING,
-        fwd_dtype=jnp.float8_e4m3fn,
-        bwd_dtype=jnp.float8_e5m2,
-        is_2x2x=True,
-        n_groups=n_groups,
-    )
-
-
 class TEGroupedMatmul(AbstractGroupedMatmul):
-    """`transformer_engine.jax.dense.grouped_dense`: cuBLAS grouped GEMM, forward and backward.
-
-    `fp8="current"` quantises operands to FP8 with per-tensor current scaling (Hopper+);
-    `None` computes in the operands' dtype (bf16 recommended).
-    """
+    """`transformer_engine.jax.dense.grouped_dense`: cuBLAS grouped GEMM, forward and backward,
+    in the operands' dtype (bf16 recommended)."""
 
     requires_gpu: ClassVar[bool] = True
-    fp8: Literal["current"] | None = eqx.field(default=None, static=True)
-
-    def __check_init__(self):
-        if self.fp8 not in (None, "current"):
-            raise ValueError(f"fp8 ({self.fp8!r}) must be None or 'current'")
 
     def _impl(self, lhs, rhs, group_sizes):
         dense, _, _ = load_te()
@@ -106,10 +85,7 @@ class TEGroupedMatmul(AbstractGroupedMatmul):
         # grouped_dense covers exactly sum(group_sizes) rows; a longer buffer's tail rows are
         # given to the last group (their outputs are ignored by every caller).
         group_sizes = group_sizes.at[-1].add(rows - used).astype(jnp.int32)
-        kwargs = {}
-        if self.fp8 is not None:
-            kwargs["quantizer_set"] = _fp8_quantizer_set(rhs.shape[0])
-        out = dense.grouped_dense(lhs, rhs.astype(lhs.dtype), group_sizes, **kwargs)
+        out = dense.grouped_dense(lhs, rhs.astype(lhs.dtype), group_sizes)
         return out.astype(lhs.dtype)
 
 
@@ -176,8 +152,8 @@ class TEDispatcher(AbstractDispatcher):
     Exact in a single layer, forward and gradients (GPU tests). Inside `jax.lax.scan` its
     gradients are wrong: with two scanned MoE layers of proxy-2b's shape the router weights'
     gradient has relative error 1.0 against jnp-capacity and the experts' gradients are NaN
-    (TE 2.20.2, jax 0.11.2, H200, 2026-12-03). The models scan their layers, so only the
-    "te-permute" bundle uses it; it made the proxy-2b loss climb to 13 in four steps.
+    (TE 2.20.2, jax 0.11.2, H200, 2026-12-03), and the proxy-2b loss climbed to 13 in four
+    steps. The models scan their layers, so no registered bundle uses it.
     """
 
     requires_gpu: ClassVar[bool] = True
@@ -206,24 +182,7 @@ def te_backend() -> Backend:
     return Backend(dispatcher=SortDispatcher(), gmm=TEGroupedMatmul(), topk=TETopK())
 
 
-def te_permute_backend() -> Backend:
-    """Every stage on Transformer Engine, its permutation included. Its gradients are wrong
-    inside `jax.lax.scan`, which the models use over their layers (see `TEDispatcher`)."""
-    load_te()
-    warnings.warn(
-        "backend 'te-permute': TE 2.20.2's token_dispatch/token_combine give wrong gradients "
-        "inside jax.lax.scan (the models scan their layers); use 'te' for training",
-        stacklevel=3,
-    )
-    return Backend(dispatcher=TEDispatcher(), gmm=TEGroupedMatmul(), topk=TETopK())
-
-
 def te_gmm_backend() -> Backend:
     """TE's grouped GEMM with dropless' sort dispatcher and router (a mix of stages)."""
     load_te()
     return Backend(dispatcher=SortDispatcher(), gmm=TEGroupedMatmul(), topk=JnpTopK())
-
-
-def te_fp8_backend() -> Backend:
-    load_te()
-    return Backend(dispatcher=SortDispatcher(), gmm=TEGroupedMatmul(fp8="current"), topk=JnpTopK())

@@ -11,8 +11,8 @@ from typing import ClassVar, Literal
 import equinox as eqx
 import jax.numpy as jnp
 
-from dropless.backends import Backend, BackendUnavailableError
-from dropless.backends.jnp import SortDispatcher
+from dropless.backends.backend import Backend, BackendUnavailableError
+from dropless.backends.sort import SortDispatcher
 from dropless.experts import AbstractGroupedMatmul
 from dropless.routing import JnpTopK
 

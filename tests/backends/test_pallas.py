@@ -77,38 +77,38 @@ def test_reference_op_is_each_groups_matmul(op):
 
 
 @pytest.mark.parametrize(
-    ("kernels", "in_width", "out_width", "used"),
+    ("in_width", "out_width", "used"),
     [
-        ("dropless", 512, 256, "mosaic"),
-        ("dropless", 384, 256, "jax"),  # 384: no multiple of the 2 x 128 weight-gradient rows
-        ("jax", 512, 256, "jax"),
+        (512, 256, "mosaic"),
+        (384, 256, "jax"),  # 384: no multiple of the 2 x 128 weight-gradient rows
     ],
 )
-def test_weight_gradient_kernel_choice(monkeypatch, kernels, in_width, out_width, used):
-    """The default takes our weight-gradient kernel where its tiles divide the widths and JAX's
-    elsewhere; kernels="jax" always takes JAX's. (The kernels run on the GPU; here each is
-    replaced by the reference and the choice recorded.)"""
+def test_weight_gradient_kernel_choice(monkeypatch, in_width, out_width, used):
+    """Our weight-gradient kernel where its tiles divide the widths, JAX's elsewhere. (The
+    kernels run on the GPU; here each is replaced by the reference and the choice recorded.)"""
     import jax
     import jax.numpy as jnp
 
-    from dropless.backends import mosaic_gmm
+    from dropless.backends import mosaic
 
     calls = []
-    monkeypatch.setattr(
-        pallas, "row_op", lambda op, a, b, s, k: pallas.reference_op(op, a, b, s).astype(a.dtype)
-    )
+
+    def grouped_matmul(a, b, s, *, transpose_rhs=False, config=None):
+        return pallas.reference_op("dgrad" if transpose_rhs else "fwd", a, b, s).astype(a.dtype)
+
+    monkeypatch.setattr(mosaic, "grouped_matmul", grouped_matmul)
 
     def spy(name):
         return lambda a, b, s, *_, **__: (
             calls.append(name) or pallas.reference_op("wgrad", a, b, s).astype(a.dtype)
         )
 
-    monkeypatch.setattr(mosaic_gmm, "grouped_weight_grad", spy("mosaic"))
+    monkeypatch.setattr(mosaic, "grouped_weight_grad", spy("mosaic"))
     monkeypatch.setattr(pallas, "run_op", lambda op, a, b, s, cfg: spy("jax")(a, b, s))
     sizes = jnp.array([3, 0, 5])
     x = jnp.ones((8, in_width), jnp.bfloat16)
     w = jnp.ones((3, in_width, out_width), jnp.bfloat16)
-    loss = lambda w: pallas.pallas_grouped_matmul(x, w, sizes, kernels).astype(float).sum()  # noqa: E731
+    loss = lambda w: pallas.pallas_grouped_matmul(x, w, sizes).astype(float).sum()  # noqa: E731
     grad = jax.grad(loss)(w)
     assert calls == [used]
     assert float(grad[1].sum()) == 0 and float(grad[0, 0, 0]) == 3  # three rows of ones
@@ -116,7 +116,7 @@ def test_weight_gradient_kernel_choice(monkeypatch, kernels, in_width, out_width
 
 @pytest.mark.parametrize(
     ("field", "value", "named"),
-    [("kernels", "triton", "kernels"), ("compute_dtype", "float32", "compute_dtype")],
+    [("compute_dtype", "float32", "compute_dtype")],
 )
 def test_bad_settings_are_named(field, value, named):
     from jaxtyping import TypeCheckError
@@ -149,7 +149,7 @@ def test_widths_the_kernels_cannot_tile_go_to_the_fallback(monkeypatch):
     import jax.numpy as jnp
     import numpy as np
 
-    from dropless.backends.jnp import CapacityGroupedMatmul
+    from dropless.backends.capacity import CapacityGroupedMatmul
 
     def no_kernels(*_):
         raise AssertionError("the kernels were asked for")
@@ -175,22 +175,21 @@ def test_widths_the_kernels_cannot_tile_go_to_the_fallback(monkeypatch):
 def test_auto_picks_pallas_with_a_fallback_on_hopper(monkeypatch):
     """'auto' on a Hopper GPU is our kernels with jnp-capacity for untileable widths; where the
     kernels do not load it warns and falls back to te-gmm (here missing) and jnp-capacity."""
-    import dropless.backends as backends
     from dropless.backends import BackendUnavailableError
-    from dropless.backends.jnp import CapacityGroupedMatmul
+    from dropless.backends import registry as backends
+    from dropless.backends.capacity import CapacityGroupedMatmul
 
     def te_missing():
         raise BackendUnavailableError("needs `pip install 'transformer-engine[jax]'`")
 
     monkeypatch.setitem(backends.BACKENDS, "te-gmm", te_missing)
-    monkeypatch.setattr(backends, "_is_hopper", lambda: True)
-    monkeypatch.setattr(backends, "_has_gpu", lambda: True)
+    monkeypatch.setattr(backends, "is_hopper", lambda: True)
+    monkeypatch.setattr(backends, "has_gpu", lambda: True)
     monkeypatch.setattr(pallas, "load_kernels", lambda: None)
     backends._auto_choice.cache_clear()
     try:
         chosen = backends.get_backend("auto")
         assert type(chosen.gmm) is pallas.PallasGroupedMatmul
-        assert chosen.gmm.kernels == "dropless"
         assert type(chosen.gmm.fallback) is CapacityGroupedMatmul
         backends._auto_choice.cache_clear()
 
@@ -210,8 +209,8 @@ def test_pallas_on_a_gpu_before_hopper_is_unavailable(monkeypatch):
     for, instead of failing later in the kernels' compilation."""
     import jax
 
-    import dropless.backends as backends
     from dropless.backends import BackendUnavailableError
+    from dropless.backends import registry as backends
 
     class Ampere:
         platform, device_kind, compute_capability = "gpu", "NVIDIA A100-SXM4-80GB", "8.0"
@@ -234,7 +233,7 @@ def _reference_kernels(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from dropless.backends import mosaic_gmm
+    from dropless.backends import mosaic
 
     def grouped_matmul(a, b, s, *, transpose_rhs=False, config=None):
         return pallas.reference_op("dgrad" if transpose_rhs else "fwd", a, b, s).astype(a.dtype)
@@ -244,13 +243,13 @@ def _reference_kernels(monkeypatch):
 
     def grouped_matmul_swiglu(a, w, s, *, row_scale=None, config=None):
         gate_up = pallas.reference_op("fwd", a, w, s).astype(a.dtype)
-        gate, up = mosaic_gmm.split_gate_up(gate_up.astype(jnp.float32), config)
+        gate, up = mosaic.split_gate_up(gate_up.astype(jnp.float32), config)
         scale = 1.0 if row_scale is None else row_scale[:, None]
         return gate_up, (jax.nn.silu(gate) * up * scale).astype(a.dtype)
 
-    monkeypatch.setattr(mosaic_gmm, "grouped_matmul", grouped_matmul)
-    monkeypatch.setattr(mosaic_gmm, "grouped_weight_grad", grouped_weight_grad)
-    monkeypatch.setattr(mosaic_gmm, "grouped_matmul_swiglu", grouped_matmul_swiglu)
+    monkeypatch.setattr(mosaic, "grouped_matmul", grouped_matmul)
+    monkeypatch.setattr(mosaic, "grouped_weight_grad", grouped_weight_grad)
+    monkeypatch.setattr(mosaic, "grouped_matmul_swiglu", grouped_matmul_swiglu)
 
 
 @pytest.mark.parametrize("scaled", [False, True])
@@ -285,5 +284,3 @@ def test_fused_swiglu_equals_the_matmul_then_swiglu_with_gradients(monkeypatch, 
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)  # bf16 compute either way
-    with pytest.raises(ValueError, match="fused_swiglu=True needs kernels='dropless'"):
-        pallas.PallasGroupedMatmul(fused_swiglu=True, kernels="jax")

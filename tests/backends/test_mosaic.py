@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from dropless.backends import mosaic_gmm, pallas
+from dropless.backends import mosaic, pallas
 
 
 @st.composite
@@ -26,9 +26,9 @@ def layouts(draw):
 @example((np.array([3, 0, 200, 1]), 256, 128))  # a tile moved back to end at `rows`
 def test_schedule_covers_every_row_once_with_its_group(layout):
     sizes, rows, tile_m = layout
-    schedule, n_items = mosaic_gmm.tile_schedule(jnp.asarray(sizes, jnp.int32), rows, tile_m)
+    schedule, n_items = mosaic.tile_schedule(jnp.asarray(sizes, jnp.int32), rows, tile_m)
     group, row0, first, end = np.asarray(schedule)
-    row0 = row0 * mosaic_gmm.ROW_ALIGN
+    row0 = row0 * mosaic.ROW_ALIGN
     n = int(n_items[0])
     assert n <= schedule.shape[1] == rows // tile_m + len(sizes) - 1
     owner = np.repeat(np.arange(len(sizes)), sizes)
@@ -49,7 +49,7 @@ def test_schedule_covers_every_row_once_with_its_group(layout):
     starts = ends - n_rows
     passes = np.bincount(group[:n], minlength=len(sizes))
     assert (passes >= -(-n_rows // tile_m)).all()
-    assert (passes <= -(-(n_rows + mosaic_gmm.ROW_ALIGN - 1) // tile_m)).all()
+    assert (passes <= -(-(n_rows + mosaic.ROW_ALIGN - 1) // tile_m)).all()
     blocks_touched = np.where(n_rows > 0, -(-ends // tile_m) - starts // tile_m, 0)
     assert (passes <= blocks_touched).all()
 
@@ -61,7 +61,7 @@ def test_expert_segments_split_the_rows_at_group_starts(layout, segments):
     """The segmented weight gradient's runs of groups: they cover every group once, in order,
     and run s starts at the first group that starts at or past s / segments of the rows."""
     sizes, rows, _ = layout
-    first = np.asarray(mosaic_gmm.expert_segments(jnp.asarray(sizes, jnp.int32), rows, segments))
+    first = np.asarray(mosaic.expert_segments(jnp.asarray(sizes, jnp.int32), rows, segments))
     assert len(first) == segments + 1 and first[0] == 0 and first[-1] == len(sizes)
     assert (np.diff(first) >= 0).all()
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -75,7 +75,7 @@ def _interpret(monkeypatch):
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     except ImportError as err:
         pytest.skip(f"this jaxlib has no Mosaic GPU interpreter: {err}")
-    monkeypatch.setattr(mosaic_gmm, "INTERPRET", InterpretGPUParams())
+    monkeypatch.setattr(mosaic.launch, "INTERPRET", InterpretGPUParams())
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_kernel_equals_each_groups_matmul_in_the_interpreter(monkeypatch, chain,
     sizes = np.array([0, 70, 3, 0, 120])
     rows, k, n = 200, 128, 256  # two column blocks of 2 x 64
     x = jax.random.normal(jax.random.key(0), (rows, k), jnp.bfloat16)
-    config = mosaic_gmm.KernelConfig(
+    config = mosaic.KernelConfig(
         tile_m=64, tile_n=64, tile_k=tile_k, max_concurrent_steps=stages, band=2, chain=chain
     )
     # Two weight sets in turn: a row the kernel forgot to store would keep whatever the
@@ -99,7 +99,7 @@ def test_kernel_equals_each_groups_matmul_in_the_interpreter(monkeypatch, chain,
     for seed in (1, 2):
         w = jax.random.normal(jax.random.key(seed), (len(sizes), k, n), jnp.bfloat16)
         gs = jnp.asarray(sizes, jnp.int32)
-        got = mosaic_gmm.grouped_matmul(x, w, gs, config=config)
+        got = mosaic.grouped_matmul(x, w, gs, config=config)
         want = pallas.reference_op("fwd", x, w, gs)  # rows past the groups: the last group's
         assert got.shape == (rows, n) and got.dtype == jnp.bfloat16
         got, want = np.asarray(got, np.float32), np.asarray(want)
@@ -117,7 +117,7 @@ def test_swiglu_kernel_equals_the_matmul_and_its_swiglu_in_the_interpreter(monke
     _interpret(monkeypatch)
     sizes = np.array([0, 70, 3, 0, 120])
     rows, k, hidden = 200, 128, 128
-    config = mosaic_gmm.KernelConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, band=2)
+    config = mosaic.KernelConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, band=2)
     x = jax.random.normal(jax.random.key(0), (rows, k), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
     # two calls: a row or column left unstored keeps the first call's value (one with the
@@ -127,10 +127,10 @@ def test_swiglu_kernel_equals_the_matmul_and_its_swiglu_in_the_interpreter(monke
         w_gate, w_up = (
             (jax.random.normal(key, (5, k, hidden)) / 8).astype(jnp.bfloat16) for key in keys
         )
-        w = mosaic_gmm.interleave_gate_up(w_gate, w_up, config)
+        w = mosaic.interleave_gate_up(w_gate, w_up, config)
         scale = jax.random.uniform(jax.random.key(seed + 2), (rows,), minval=0.1, maxval=2.0)
         row_scale = scale if scaled else None
-        gate_up, h = mosaic_gmm.grouped_matmul_swiglu(x, w, gs, row_scale=row_scale, config=config)
+        gate_up, h = mosaic.grouped_matmul_swiglu(x, w, gs, row_scale=row_scale, config=config)
         assert gate_up.shape == (rows, 2 * hidden) and h.shape == (rows, hidden)
         want = np.asarray(pallas.reference_op("fwd", x, w, gs))
         got = np.asarray(gate_up, np.float32)
@@ -143,20 +143,20 @@ def test_swiglu_kernel_equals_the_matmul_and_its_swiglu_in_the_interpreter(monke
 
 
 def test_interleave_gate_up_alternates_blocks_of_half_a_tile_and_splits_back():
-    config = mosaic_gmm.KernelConfig(tile_n=4)
+    config = mosaic.KernelConfig(tile_n=4)
     w_gate = jnp.arange(2 * 8, dtype=jnp.float32).reshape(1, 2, 8)
     w_up = -w_gate
-    w = mosaic_gmm.interleave_gate_up(w_gate, w_up, config)
+    w = mosaic.interleave_gate_up(w_gate, w_up, config)
     np.testing.assert_array_equal(
         w[0, 1], [8, 9, -8, -9, 10, 11, -10, -11, 12, 13, -12, -13, 14, 15, -14, -15]
     )
-    gate, up = mosaic_gmm.split_gate_up(w, config)  # the inverse
+    gate, up = mosaic.split_gate_up(w, config)  # the inverse
     np.testing.assert_array_equal(gate, w_gate)
     np.testing.assert_array_equal(up, w_up)
     with pytest.raises(ValueError, match="hidden=7 must be a multiple of 2"):
-        mosaic_gmm.interleave_gate_up(jnp.zeros((2, 7)), jnp.zeros((2, 7)), config)
+        mosaic.interleave_gate_up(jnp.zeros((2, 7)), jnp.zeros((2, 7)), config)
     with pytest.raises(ValueError, match="hidden=7 must be a multiple of 2"):
-        mosaic_gmm.split_gate_up(jnp.zeros((2, 14)), config)
+        mosaic.split_gate_up(jnp.zeros((2, 14)), config)
 
 
 def test_a_single_chained_pipeline_runs_unchained(monkeypatch):
@@ -166,26 +166,26 @@ def test_a_single_chained_pipeline_runs_unchained(monkeypatch):
     x = jax.random.normal(jax.random.key(0), (64, 128), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (2, 128, 128), jnp.bfloat16)
     gs = jnp.asarray([40, 24], jnp.int32)
-    config = mosaic_gmm.KernelConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, chain=True)
-    got = np.asarray(mosaic_gmm.grouped_matmul(x, w, gs, config=config), np.float32)
+    config = mosaic.KernelConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, chain=True)
+    got = np.asarray(mosaic.grouped_matmul(x, w, gs, config=config), np.float32)
     want = np.asarray(pallas.reference_op("fwd", x, w, gs))
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-2
 
 
 def test_matmul_fits_says_which_widths_and_chains_run():
-    chained = mosaic_gmm.KernelConfig(max_concurrent_steps=3, chain=True)
-    assert mosaic_gmm.matmul_fits(7168, 2048)
-    assert not mosaic_gmm.matmul_fits(100, 256)  # k: 64-row steps
-    assert not mosaic_gmm.matmul_fits(256, 384, mosaic_gmm.KernelConfig())  # n: 2 x 128 columns
-    assert not mosaic_gmm.matmul_fits(256, 256, chained)  # 4 steps, 3 stages
-    assert mosaic_gmm.matmul_fits(192, 256, chained)  # 3 steps
+    chained = mosaic.KernelConfig(max_concurrent_steps=3, chain=True)
+    assert mosaic.matmul_fits(7168, 2048)
+    assert not mosaic.matmul_fits(100, 256)  # k: 64-row steps
+    assert not mosaic.matmul_fits(256, 384, mosaic.KernelConfig())  # n: 2 x 128 columns
+    assert not mosaic.matmul_fits(256, 256, chained)  # 4 steps, 3 stages
+    assert mosaic.matmul_fits(192, 256, chained)  # 3 steps
 
 
 def test_chain_needs_the_stages_to_divide_the_steps():
-    config = mosaic_gmm.KernelConfig(max_concurrent_steps=3, chain=True)
+    config = mosaic.KernelConfig(max_concurrent_steps=3, chain=True)
     w = jnp.zeros((2, 256, 256), jnp.bfloat16)  # k / tile_k = 4 steps
     with pytest.raises(ValueError, match="max_concurrent_steps=3 to divide the k / tile_k = 4"):
-        mosaic_gmm.grouped_matmul(
+        mosaic.grouped_matmul(
             jnp.zeros((16, 256), jnp.bfloat16), w, jnp.array([8, 8]), config=config
         )
 
@@ -198,26 +198,26 @@ def test_widths_the_tiles_do_not_divide_are_named(k, n, transpose, named):
     x = jnp.zeros((16, k), jnp.bfloat16)
     w = jnp.zeros((2, n, k) if transpose else (2, k, n), jnp.bfloat16)
     with pytest.raises(ValueError, match=named):
-        mosaic_gmm.grouped_matmul(x, w, jnp.array([8, 8]), transpose_rhs=transpose)
+        mosaic.grouped_matmul(x, w, jnp.array([8, 8]), transpose_rhs=transpose)
 
 
 def test_zero_rows_and_mixed_dtypes():
     w = jnp.zeros((2, 128, 256), jnp.bfloat16)
-    out = mosaic_gmm.grouped_matmul(jnp.zeros((0, 128), jnp.bfloat16), w, jnp.array([0, 0]))
+    out = mosaic.grouped_matmul(jnp.zeros((0, 128), jnp.bfloat16), w, jnp.array([0, 0]))
     assert out.shape == (0, 256)
-    grads = mosaic_gmm.grouped_weight_grad(
+    grads = mosaic.grouped_weight_grad(
         jnp.zeros((0, 256), jnp.bfloat16), jnp.zeros((0, 128), jnp.bfloat16), jnp.array([0, 0])
     )
     assert grads.shape == (2, 256, 128) and not grads.any()
     with pytest.raises(ValueError, match="share a 16-bit float dtype"):
-        mosaic_gmm.grouped_matmul(jnp.zeros((8, 128)), w, jnp.array([4, 4]))
+        mosaic.grouped_matmul(jnp.zeros((8, 128)), w, jnp.array([4, 4]))
 
 
 def test_output_width_picks_the_tiles():
-    assert mosaic_gmm.config_for(2048) == mosaic_gmm.KernelConfig()
-    assert mosaic_gmm.config_for(384).tile_n == 64
+    assert mosaic.config_for(2048) == mosaic.KernelConfig()
+    assert mosaic.config_for(384).tile_n == 64
     with pytest.raises(ValueError, match="tile_m=96 must be a power of two"):
-        mosaic_gmm.KernelConfig(tile_m=96)
+        mosaic.KernelConfig(tile_m=96)
 
 
 @pytest.mark.parametrize(
@@ -244,16 +244,18 @@ def test_small_experts_take_the_segmented_weight_gradient(
         launched.append(("runs", first_groups.shape[0] - 1))
         return out
 
-    monkeypatch.setattr(mosaic_gmm, "_launch_segmented_weight_grad", in_runs)
+    monkeypatch.setattr(mosaic.weight_grad, "_launch_segmented_weight_grad", in_runs)
     monkeypatch.setattr(
-        mosaic_gmm, "_launch_weight_grad", lambda *_: launched.append(("per expert", None)) or out
+        mosaic.weight_grad,
+        "_launch_weight_grad",
+        lambda *_: launched.append(("per expert", None)) or out,
     )
     x = jnp.zeros((rows, 256), jnp.bfloat16)
     g = jnp.zeros((rows, 128), jnp.bfloat16)
-    mosaic_gmm.grouped_weight_grad(x, g, jnp.full(groups, rows // groups, jnp.int32))
+    mosaic.grouped_weight_grad(x, g, jnp.full(groups, rows // groups, jnp.int32))
     assert launched == [("runs", runs) if segmented else ("per expert", None)]
     with pytest.raises(ValueError, match="segment_steps=0 must be None or >= 1"):
-        mosaic_gmm.WeightGradConfig(segment_steps=0)
+        mosaic.WeightGradConfig(segment_steps=0)
 
 
 @pytest.mark.parametrize(
@@ -269,7 +271,7 @@ def test_kernels_lower_for_cuda_on_the_cpu(kernel, lowered):
         w = jax.ShapeDtypeStruct((16, 512, 512), jnp.bfloat16)
         scale = jax.ShapeDtypeStruct((1000,), jnp.float32)
         text = lowered(
-            lambda a, b, s, r: mosaic_gmm.grouped_matmul_swiglu(
+            lambda a, b, s, r: mosaic.grouped_matmul_swiglu(
                 a, b, s, row_scale=r if kernel.endswith("scaled") else None
             ),
             x,
@@ -282,7 +284,7 @@ def test_kernels_lower_for_cuda_on_the_cpu(kernel, lowered):
         w = jax.ShapeDtypeStruct((16, 512, 512), jnp.bfloat16)
         dgrad = kernel == "dgrad"
         text = lowered(
-            lambda a, b, s: mosaic_gmm.grouped_matmul(a, b, s, transpose_rhs=dgrad),
+            lambda a, b, s: mosaic.grouped_matmul(a, b, s, transpose_rhs=dgrad),
             x,
             w,
             sizes,
@@ -291,9 +293,9 @@ def test_kernels_lower_for_cuda_on_the_cpu(kernel, lowered):
     else:
         g = jax.ShapeDtypeStruct((1000, 256), jnp.bfloat16)
         steps = 64 if kernel == "wgrad in runs" else None
-        config = mosaic_gmm.WeightGradConfig(segment_steps=steps)
+        config = mosaic.WeightGradConfig(segment_steps=steps)
         text = lowered(
-            lambda a, b, s: mosaic_gmm.grouped_weight_grad(a, b, s, config=config),
+            lambda a, b, s: mosaic.grouped_weight_grad(a, b, s, config=config),
             x,
             g,
             sizes,
@@ -308,10 +310,10 @@ def test_a_layout_mosaic_cannot_take_fails_when_lowering_on_the_cpu(lowered):
     x = jax.ShapeDtypeStruct((1000, 512), jnp.bfloat16)
     g = jax.ShapeDtypeStruct((1000, 256), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((16,), jnp.int32)
-    config = mosaic_gmm.WeightGradConfig(tile_k=32)
+    config = mosaic.WeightGradConfig(tile_k=32)
     with pytest.raises(ValueError, match="Cannot cast to layout"):
         lowered(
-            lambda a, b, s: mosaic_gmm.grouped_weight_grad(a, b, s, config=config),
+            lambda a, b, s: mosaic.grouped_weight_grad(a, b, s, config=config),
             x,
             g,
             sizes,
@@ -324,19 +326,19 @@ def test_swiglu_grad_interleaved_equals_autodiff_of_the_split_halves(scaled):
     """The one-pass gradient in the interleaved layout against jax.vjp of
     silu(gate) * up (* scale per row, `scaled`) on the halves `split_gate_up` gives,
     interleaved again (fails if gate and up swap roles), and the scale's gradient."""
-    config = mosaic_gmm.KernelConfig(tile_n=64)
+    config = mosaic.KernelConfig(tile_n=64)
     keys = jax.random.split(jax.random.key(3), 3)
     gate_up = 3.0 * jax.random.normal(keys[0], (40, 256), jnp.float32)
     d_hidden = jax.random.normal(keys[1], (40, 128), jnp.float32)
     scale = jax.random.uniform(keys[2], (40,), minval=0.1, maxval=2.0)
-    gate, up = mosaic_gmm.split_gate_up(gate_up, config)
+    gate, up = mosaic.split_gate_up(gate_up, config)
     _, vjp = jax.vjp(lambda g, u, s: jax.nn.silu(g) * u * s[:, None], gate, up, scale)
     d_gate, d_up, want_d_scale = vjp(d_hidden)
     if not scaled:
         _, vjp = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)
         d_gate, d_up = vjp(d_hidden)
-    want = mosaic_gmm.interleave_gate_up(d_gate, d_up, config)
-    got, d_scale = mosaic_gmm.swiglu_grad_interleaved(
+    want = mosaic.interleave_gate_up(d_gate, d_up, config)
+    got, d_scale = mosaic.swiglu_grad_interleaved(
         gate_up, d_hidden, config, row_scale=scale if scaled else None
     )
     assert got.dtype == jnp.float32
@@ -350,6 +352,6 @@ def test_swiglu_grad_interleaved_equals_autodiff_of_the_split_halves(scaled):
 def test_a_row_scale_of_the_wrong_length_is_named(unchecked):
     """The function's own check, past the tests' type checks (which would object first)."""
     w = jnp.zeros((2, 128, 256), jnp.bfloat16)
-    call = unchecked(mosaic_gmm.grouped_matmul_swiglu)
+    call = unchecked(mosaic.grouped_matmul_swiglu)
     with pytest.raises(ValueError, match=r"row_scale has shape \(15,\), want \(16,\)"):
         call(jnp.zeros((16, 128), jnp.bfloat16), w, jnp.array([8, 8]), row_scale=jnp.ones(15))

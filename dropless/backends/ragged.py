@@ -1,0 +1,13 @@
+"""`jax.lax.ragged_dot` as a grouped-matmul strategy: a reference."""
+
+import jax.numpy as jnp
+from jax import lax
+
+from dropless.experts import AbstractGroupedMatmul
+
+
+class RaggedDot(AbstractGroupedMatmul):
+    """`jax.lax.ragged_dot`: exact; XLA lowers it to a dense contraction over all experts."""
+
+    def _impl(self, lhs, rhs, group_sizes):
+        return lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32))
