@@ -24,8 +24,8 @@ from dropless.train import (
     TrainingDiverged,
     config_dict,
     init_state,
-    loop,
     read_jsonl,
+    setup,
     train,
 )
 
@@ -204,10 +204,10 @@ def test_token_file_training_and_out_of_vocabulary_ids(tmp_path):
 
 def test_a_warmup_longer_than_the_run_warns():
     with pytest.warns(UserWarning, match=r"warmup_steps \(20\) > steps \(5\): the learning"):
-        loop._validate(TINY, config(steps=5, warmup_steps=20))
+        setup.validate(TINY, config(steps=5, warmup_steps=20))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        loop._validate(TINY, config(steps=20, warmup_steps=20))  # reaches lr at the last step
+        setup.validate(TINY, config(steps=20, warmup_steps=20))  # reaches lr at the last step
 
 
 def test_bad_settings_are_clear_errors(tmp_path):
