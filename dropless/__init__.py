@@ -23,7 +23,6 @@ from dropless.balance import (
 )
 from dropless.dispatch import AbstractDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul, GroupedExperts
-from dropless.host_memory import keep_freed_memory
 from dropless.moe import MoE, MoEStats, routing_stats
 from dropless.nn.mlp import SwiGLU
 from dropless.routing import AbstractTopK, JnpTopK, Routing, RoutingSpec, TopKRouter
@@ -47,7 +46,6 @@ __all__ = [
     "available_backends",
     "batch_balance_loss",
     "get_backend",
-    "keep_freed_memory",
     "max_violation",
     "router_z_loss",
     "routing_stats",

@@ -26,7 +26,7 @@ import tyro
 import yaml
 
 from dropless.backends import BACKENDS, BackendUnavailableError
-from dropless.host_memory import keep_freed_memory
+from dropless._allocator import keep_freed_memory
 from dropless.models.deepseek_v3 import PRESETS, DeepSeekV3Config, get_preset
 from dropless.train.config import TrainConfig
 
