@@ -227,6 +227,21 @@ def _with_tensorboard(
     return callbacks
 
 
+def _info(
+    state: TrainState, train_config: TrainConfig, out_dir: str, backend: str, mesh: Mesh | None
+) -> dict:
+    """What `Callback.on_start` receives."""
+    return {
+        "start_step": int(state.step),
+        "steps": train_config.steps,
+        "out_dir": out_dir,
+        "backend": backend,
+        "backend_resolved": resolve_backend_name(backend),
+        "mesh": None if mesh is None else dict(mesh.shape),
+        "n_params": sum(x.size for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))),
+    }
+
+
 def start(
     model_config: DeepSeekV3Config,
     train_config: TrainConfig,
@@ -251,22 +266,13 @@ def start(
     state, checkpointer = _open_checkpoints(files["checkpoints"], fresh, train_config)
     if mesh is not None:
         state = shard_state(state, mesh)  # the resumed config's numbers, replicated
-    start_step = int(state.step)
 
     run_config = config_dict(model_config, train_config, name)
     with open(files["config"], "w") as f:
         yaml.safe_dump(run_config, f, sort_keys=False)
-    keep_until = start_step if train_config.resume else None
+    keep_until = int(state.step) if train_config.resume else None
     writer = metrics_lib.MetricsWriter(files["metrics"], keep_until=keep_until)
-    info = {
-        "start_step": start_step,
-        "steps": train_config.steps,
-        "out_dir": out_dir,
-        "backend": name,
-        "backend_resolved": resolve_backend_name(name),
-        "mesh": None if mesh is None else dict(mesh.shape),
-        "n_params": sum(x.size for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))),
-    }
+    info = _info(state, train_config, out_dir, name, mesh)
     callbacks = _with_tensorboard(callbacks, train_config, out_dir)
     for callback in callbacks:
         callback.on_start(info)
