@@ -1,5 +1,5 @@
-"""Meshes, the ONE table from logical axes to mesh axes, sharded parameters and optimizer state,
-and `shard_map` wrappers for an MoE layer and for a whole train step.
+"""Meshes, the ONE table from logical axes to mesh axes, sharded parameters, optimizer state
+and batches, and `ShardedMoE`: one MoE layer run expert-parallel by `jax.shard_map`.
 
 The mesh has up to three named axes, outermost first: `data` (pure data parallelism), `fsdp`
 (data parallelism whose devices also split the storage of large parameters and of their optimizer
@@ -7,26 +7,23 @@ state) and `expert` (data parallelism whose devices also split the routed expert
 parallelism, innermost so that the all-to-all stays on the fastest links). Tokens are split over
 all three. Nothing in here is global: the caller builds the mesh and hands it to these functions.
 
-Under `make_train_step` the whole loss runs inside one `jax.shard_map`: each device sees its slice
-of the batch, the full router and dense weights, and the local slice `[experts / ep ...]` of every
-`GroupedExperts` weight; the MoE layers must use an expert-parallel dispatcher
-(`dropless.with_backend(model, "ep")`). Parameters sharded over `fsdp` are all-gathered at the
-start of the step (their gradient is reduce-scattered by the transpose), so storage and optimizer
-state are split, compute is not (ZeRO-2 style). The optimizer update runs outside the shard_map,
-on global arrays, so global-norm clipping sees every shard.
+Inside a `jax.shard_map` each device sees its slice of the batch, the full router and dense
+weights, and the local slice `[experts / ep ...]` of every `GroupedExperts` weight; the MoE layers
+must use an expert-parallel dispatcher (`dropless.with_backend(model, "ep")`). Parameters sharded
+over `fsdp` are all-gathered there (`gather_fsdp`; their gradient is reduce-scattered by the
+transpose), so storage and optimizer state are split, compute is not (ZeRO-2 style). The train
+step on a mesh is `dropless.train.sharded`.
 """
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PyTree
@@ -35,7 +32,6 @@ from dropless import balance
 from dropless.dispatch import AbstractDispatcher
 from dropless.experts import GroupedExperts
 from dropless.moe import MoE, MoEStats
-from dropless.precision import apply_updates
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 
@@ -228,21 +224,6 @@ def opt_state_specs(opt_state: PyTree, params: PyTree, specs: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(spec_of, opt_state)
 
 
-def init_opt_state(
-    optimizer: optax.GradientTransformation,
-    params: PyTree,
-    mesh: Mesh,
-    *,
-    fsdp_min_size: int = FSDP_MIN_SIZE,
-) -> PyTree:
-    """`optimizer.init(params)`, created directly in place: every state leaf that mirrors a
-    parameter sharded like it (`opt_state_specs`), the rest replicated."""
-    specs = param_specs(params, mesh, fsdp_min_size=fsdp_min_size)
-    shapes = jax.eval_shape(optimizer.init, params)
-    out = _shardings(opt_state_specs(shapes, params, specs), mesh)
-    return jax.jit(optimizer.init, out_shardings=out)(params)
-
-
 def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
     """Places a host batch on `mesh`, its leading dimension split over `batch_axes`.
 
@@ -311,22 +292,6 @@ def gather_fsdp(arrays: PyTree, specs: PyTree) -> PyTree:
         return jax.lax.all_gather(leaf, axis, axis=dim, tiled=True)
 
     return jax.tree.map(gather, arrays, specs, is_leaf=lambda n: n is None)
-
-
-def _sum_unsharded(grads: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
-    """Inside shard_map (check_vma=False): each gradient is the local contribution; sum it over
-    the mesh axes along which its parameter is replicated (fsdp was reduce-scattered already)."""
-
-    def reduce(g, spec):
-        if g is None or spec is None:
-            return g
-        used = set()
-        for entry in spec:
-            used.update((entry,) if isinstance(entry, str) else tuple(entry or ()))
-        axes = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
-        return jax.lax.psum(g, axes) if axes else g
-
-    return jax.tree.map(reduce, grads, specs, is_leaf=lambda n: n is None)
 
 
 def reduce_moe_stats(stats: MoEStats, axes: tuple[str, ...]) -> MoEStats:
@@ -405,135 +370,3 @@ def shard_moe(
     """
     check_expert_parallel(moe, mesh)
     return ShardedMoE(moe, mesh, seq_len, fsdp_min_size)
-
-
-# --- a train step on a mesh ------------------------------------------------------------------
-
-
-def sharded_value_and_grad(
-    loss_fn: Callable[[PyTree, PyTree], Any],
-    mesh: Mesh,
-    *,
-    has_aux: bool = False,
-    diff_filter: Callable[[Any], bool] | PyTree = eqx.is_inexact_array,
-    fsdp_min_size: int = FSDP_MIN_SIZE,
-) -> Callable[[PyTree, PyTree], tuple[Any, PyTree]]:
-    """`eqx.filter_value_and_grad(loss_fn, has_aux)` run SPMD over `mesh`.
-
-    `loss_fn(model, batch)` runs on each device with its batch slice (leading dimension split
-    over `batch_axes`) and must return the mean over that slice (plus `aux` if `has_aux`). The
-    returned function takes global `(model, batch)` and gives `(loss, grads)` or
-    `((loss, aux), grads)`: the loss of the whole batch (mean over shards), `aux` averaged over
-    shards, and the gradient of the whole-batch loss with respect to the arrays `diff_filter`
-    selects, as global arrays sharded like the parameters.
-    """
-    axes = batch_axes(mesh)
-    shards = _size(mesh, axes)
-
-    def fn(model, batch):
-        check_expert_parallel(model, mesh)
-        diff, rest = eqx.partition(model, diff_filter)
-        rest, static = eqx.partition(rest, eqx.is_array)
-        diff_specs = param_specs(diff, mesh, fsdp_min_size=fsdp_min_size)
-        rest_specs = param_specs(rest, mesh, fsdp_min_size=fsdp_min_size)
-
-        def local(diff, rest, batch):
-            rest_full = gather_fsdp(rest, rest_specs)
-
-            def scaled(diff):
-                model = eqx.combine(gather_fsdp(diff, diff_specs), rest_full, static)
-                out = loss_fn(model, batch)
-                loss, aux = out if has_aux else (out, None)
-                return loss / shards, (loss, aux)
-
-            (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(diff)
-            grads = _sum_unsharded(grads, diff_specs, mesh)
-            if axes:
-                loss = jax.lax.pmean(loss, axes)
-                aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes), aux)
-            return loss, aux, grads
-
-        loss, aux, grads = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(diff_specs, rest_specs, batch_spec(mesh)),
-            out_specs=(P(), P(), diff_specs),
-            check_vma=False,
-        )(diff, rest, batch)
-        return ((loss, aux) if has_aux else loss), grads
-
-    return fn
-
-
-class ShardedTrainStep(eqx.Module):
-    """A jitted train step on a mesh; build it with `make_train_step`.
-
-    step = make_train_step(loss_fn, optax.adamw(1e-3), mesh)
-    model, opt_state = step.init(model)          # place arrays, init the optimizer
-    model, opt_state, loss, aux = step(model, opt_state, step.shard_batch(batch))
-    """
-
-    loss_fn: Callable[[PyTree, PyTree], Any]
-    optimizer: optax.GradientTransformation
-    mesh: Mesh = eqx.field(static=True)
-    has_aux: bool = eqx.field(default=False, static=True)
-    diff_filter: Any = eqx.is_inexact_array
-    fsdp_min_size: int = eqx.field(default=FSDP_MIN_SIZE, static=True)
-
-    def _specs(self, tree: PyTree) -> PyTree:
-        return param_specs(tree, self.mesh, fsdp_min_size=self.fsdp_min_size)
-
-    def init(self, model: PyTree) -> tuple[PyTree, PyTree]:
-        """The model placed on the mesh, and the optimizer state of its trainable arrays,
-        sharded like them."""
-        check_expert_parallel(model, self.mesh)
-        model = shard_model(model, self.mesh, fsdp_min_size=self.fsdp_min_size)
-        params = eqx.filter(model, self.diff_filter)
-        opt_state = init_opt_state(
-            self.optimizer, params, self.mesh, fsdp_min_size=self.fsdp_min_size
-        )
-        return model, opt_state
-
-    def shard_batch(self, batch: PyTree) -> PyTree:
-        """`shard_batch(batch, self.mesh)`."""
-        return shard_batch(batch, self.mesh)
-
-    @eqx.filter_jit
-    def __call__(self, model: PyTree, opt_state: PyTree, batch: PyTree):
-        """One step: `(model, opt_state, loss, aux)` after it (`aux` is None without has_aux)."""
-        value_and_grad = sharded_value_and_grad(
-            self.loss_fn,
-            self.mesh,
-            has_aux=self.has_aux,
-            diff_filter=self.diff_filter,
-            fsdp_min_size=self.fsdp_min_size,
-        )
-        out, grads = value_and_grad(model, batch)
-        loss, aux = out if self.has_aux else (out, None)
-        params = eqx.filter(model, self.diff_filter)
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        model = apply_updates(model, updates)
-        # Keep every array where it lives (the update is elementwise; say so to the compiler).
-        arrays, static = eqx.partition(model, eqx.is_array)
-        arrays = jax.lax.with_sharding_constraint(
-            arrays, _shardings(self._specs(arrays), self.mesh)
-        )
-        opt_specs = opt_state_specs(opt_state, params, self._specs(params))
-        opt_state = jax.lax.with_sharding_constraint(opt_state, _shardings(opt_specs, self.mesh))
-        return eqx.combine(arrays, static), opt_state, loss, aux
-
-
-def make_train_step(
-    loss_fn: Callable[[PyTree, PyTree], Any],
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    *,
-    has_aux: bool = False,
-    diff_filter: Callable[[Any], bool] | PyTree = eqx.is_inexact_array,
-    fsdp_min_size: int = FSDP_MIN_SIZE,
-) -> ShardedTrainStep:
-    """A train step for `loss_fn(model, batch) -> loss` (or `(loss, aux)` with `has_aux`) on
-    `mesh`: gradients by `sharded_value_and_grad`, then `optimizer` on the arrays `diff_filter`
-    selects (a callable on leaves, or a tree of bools like `dropless.train.optim.trainable_filter`
-    returns). The step equals the unsharded step on the whole batch (up to float rounding)."""
-    return ShardedTrainStep(loss_fn, optimizer, mesh, has_aux, diff_filter, fsdp_min_size)

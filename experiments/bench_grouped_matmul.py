@@ -12,8 +12,8 @@ experts. Writes JSON + CSV + a PNG bar plot to --out.
 
 The 256-expert weight gradient is a 134 MB buffer per call, which glibc page-faults in afresh at
 every call unless it keeps freed memory for reuse: the script first calls
-`dropless.keep_freed_memory()`, as the `dropless` command does (`--glibc-default` leaves the
-allocator as it is). `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` backs large buffers with
+`dropless._allocator.keep_freed_memory()`, as the `dropless` command does (`--glibc-default`
+leaves the allocator as it is). `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` backs large buffers with
 transparent huge pages, which also makes faulting them cheaper (docs/benchmarks.md). Both
 settings are recorded in the results.
 """
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from _timing import fwd_bwd, machine, median_time, print_table, write_results
 
-from dropless import keep_freed_memory
+from dropless._allocator import keep_freed_memory
 from dropless.backends.capacity import CapacityGroupedMatmul
 from dropless.backends.chunked import ChunkedGroupedMatmul, default_chunk
 from dropless.backends.ragged import RaggedDot
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--glibc-default",
         action="store_true",
-        help="leave glibc's allocator as it is (default: dropless.keep_freed_memory())",
+        help="leave glibc's allocator as it is (default: keep_freed_memory())",
     )
     given = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(given)

@@ -8,17 +8,20 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
 import jax
 import pytest
+import tyro
 import yaml
 
 import dropless
 from dropless import cli
-from dropless.models.deepseek_v3 import DeepSeekV3Config
+from dropless.cli.parsing import defaults
+from dropless.models.deepseek_v3 import PRESETS, DeepSeekV3Config, get_preset
 from dropless.train.checkpoint import Checkpointer
 from dropless.train.config import TrainConfig
 
@@ -67,7 +70,7 @@ def test_train_end_to_end(tmp_path, capsys):
     # the written config reproduces the run's settings, and a run from it is named after it
     command = cli.parse(["train", "--config", str(out / "config.yaml")])
     model, train_config = command.configs()
-    assert model == cli.get_preset("tiny") and train_config.steps == 6
+    assert model == get_preset("tiny") and train_config.steps == 6
     assert command.backend == "jnp"
     assert cli.run_name(command, resume=False) == "run"
     assert json.loads((out / "summary.json").read_text())["backend"] == "jnp"
@@ -93,7 +96,7 @@ def test_resume_continues_the_run_with_its_own_config(tmp_path, capsys):
     set_resume = cli.parse(["train", "--out-dir", str(out), "--set", "train.resume=true"])
     assert set_resume.configs()[0].n_routed_experts == 8
     fresh = cli.parse(["train", "--out-dir", str(out), "--no-resume"]).configs()[0]
-    assert fresh == cli.get_preset("tiny")
+    assert fresh == get_preset("tiny")
 
 
 def test_preset_yaml_flags_and_set_compose(tmp_path):
@@ -121,13 +124,13 @@ def test_preset_yaml_flags_and_set_compose(tmp_path):
     assert (model.hidden_size, model.n_routed_experts, model.num_experts_per_tok) == (32, 4, 1)
     assert (train.steps, train.lr, train.batch_size, train.eps) == (9, 0.01, 3, 1e-6)
     assert train.micro_batches == 3
-    assert model.vocab_size == cli.get_preset("tiny").vocab_size  # the rest from the preset
+    assert model.vocab_size == get_preset("tiny").vocab_size  # the rest from the preset
 
     flags = cli.parse(["train", "--batch-size", "32", "--micro-batches", "4"]).configs()[1]
     assert (flags.batch_size, flags.micro_batches) == (32, 4)
 
     small = cli.parse(["train", "--preset", "small"]).configs()[0]
-    assert small == cli.get_preset("small")
+    assert small == get_preset("small")
     scaled = cli.parse(
         ["train", "--model.rope-scaling", "{type: yarn, factor: 4, beta_fast: 32, beta_slow: 1}"]
     ).configs()[0]
@@ -222,13 +225,9 @@ def test_run_names(tmp_path):
 
 
 def test_set_none_where_a_field_takes_none():
-    model, _ = cli.apply_overrides(
-        cli.get_preset("tiny"), cli.TrainConfig(), ["model.q_lora_rank=None"]
-    )
+    model, _ = cli.apply_overrides(get_preset("tiny"), TrainConfig(), ["model.q_lora_rank=None"])
     assert model.q_lora_rank is None
-    model, _ = cli.apply_overrides(
-        cli.get_preset("tiny"), cli.TrainConfig(), ["model.q_lora_rank=null"]
-    )
+    model, _ = cli.apply_overrides(get_preset("tiny"), TrainConfig(), ["model.q_lora_rank=null"])
     assert model.q_lora_rank is None
 
 
@@ -256,7 +255,7 @@ def test_a_backend_that_cannot_load_is_one_line_and_writes_nothing(backend, tmp_
 
 
 def _field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings of a dataclass (what tyro shows as each option's help)."""
+    """Attribute docstrings of a dataclass (each option's help)."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
     for field, doc in zip(body, body[1:], strict=False):
@@ -265,15 +264,9 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def test_help_explains_every_option(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(["--help"])
-    assert exit_.value.code == 0
-    top = capsys.readouterr().out
-    assert "train" in top and "presets" in top
-
+def _train_help(flag: str) -> str:
     run = subprocess.run(
-        [sys.executable, "-m", "dropless", "train", "--help"],
+        [sys.executable, "-m", "dropless", "train", flag],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -281,22 +274,60 @@ def test_help_explains_every_option(capsys):
         timeout=120,
     )
     assert run.returncode == 0, run.stderr
-    text = " ".join(run.stdout.replace("│", " ").split())
+    return run.stdout
+
+
+COMMON_FLAGS = (
+    "--preset", "--steps", "--batch-size", "--seq-len", "--lr", "--out-dir", "--resume",
+    "--data", "--backend", "--mesh", "--config", "--set",
+)  # fmt: skip
+
+
+def test_help_fits_a_screen_and_names_the_common_options(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0
+    top = capsys.readouterr().out
+    assert "train" in top and "presets" in top
+
+    text = _train_help("--help")
+    lines = text.splitlines()
+    assert len(lines) <= 60, len(lines)
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    assert "│" not in text and "--help-all" in text
+    flags = [line.split()[0].rstrip(",") for line in lines if line.startswith("  --")]
+    assert flags == list(COMMON_FLAGS)  # the common options, in this order, and only those
+    assert "--model.hidden-size" not in text  # the rest: --help-all
+
+
+def test_help_all_explains_every_option_in_whole_sentences(capsys):
+    text = _train_help("--help-all")
+    assert all(len(line) <= 80 for line in text.splitlines()), max(text.splitlines(), key=len)
+    flat = " ".join(text.split())
     for flag in (
-        "--preset", "--config", "--backend", "--out-dir", "--set", "--steps", "--batch-size",
-        "--seq-len", "--seed", "--checkpoint-every", "--resume", "--eval-every", "--lr",
-        "--model.hidden-size", "--model.n-routed-experts", "--bias-update-rate",
+        *COMMON_FLAGS, "--seed", "--checkpoint-every", "--eval-every", "--model.hidden-size",
+        "--model.n-routed-experts", "--bias-update-rate", "--no-progress", "--no-compile-cache",
+        "--model.no-norm-topk-prob",
     ):  # fmt: skip
-        assert flag in text, flag
-    # every option comes with an explanation: each field's help, as tyro shows it
+        assert flag in flat, flag
+    # every option comes with its whole explanation, never broken inside a word
     model_fields = {f.name for f in dataclasses.fields(DeepSeekV3Config)}
     assert set(cli.MODEL_HELP) == model_fields, "cli.MODEL_HELP must cover DeepSeekV3Config"
     train_docs = _field_docs(TrainConfig)
     assert set(train_docs) == {f.name for f in dataclasses.fields(TrainConfig)}
     command_docs = _field_docs(cli.TrainCommand)
+    del command_docs["train"]  # the section of the flags without a prefix: no option of its own
     for doc in [*cli.MODEL_HELP.values(), *train_docs.values(), *command_docs.values()]:
-        start = " ".join(doc.split()[:5])
-        assert start in text, start
+        assert " ".join(doc.split()) in flat, doc
+    # the same options as tyro parses: every flag of tyro's own help is listed
+    with pytest.raises(SystemExit):
+        tyro.cli(cli.TrainCommand, default=defaults([]), args=["--help"])
+    tyro_flags = set(re.findall(r"--\w[\w.-]*", capsys.readouterr().out)) - {"--help"}
+    assert tyro_flags and tyro_flags <= set(re.findall(r"--\w[\w.-]*", flat))
+
+
+def test_help_shows_the_defaults_of_the_preset():
+    assert "(default: 16)" in _train_help("--help")  # the tiny preset's batch size
 
 
 def test_presets_lists_sizes(capsys):
@@ -306,7 +337,7 @@ def test_presets_lists_sizes(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["preset", "total", "active", "mtp"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
-    assert set(rows) == set(cli.PRESETS)
+    assert set(rows) == set(PRESETS)
     assert rows["deepseek-v3-671b"][:2] == ["671.0B", "37.6B"]
     assert rows["deepseek-v2-lite"][2] == "-"  # num_nextn_predict_layers = 0
     assert rows["tiny"][0].endswith("M")

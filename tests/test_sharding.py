@@ -1,5 +1,6 @@
-"""Meshes, the logical-to-mesh table, sharded parameters / optimizer state / batches, and the
-sharded train step against the unsharded one (8 emulated CPU devices, from tests/conftest.py)."""
+"""Meshes, the logical-to-mesh table, sharded parameters / optimizer state / batches, and
+`ShardedMoE` against the unsharded layer (8 emulated CPU devices, from tests/conftest.py). The
+train step on a mesh: tests/train/test_sharded.py."""
 
 import equinox as eqx
 import jax
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dropless import sharding
@@ -130,8 +131,12 @@ def test_experts_must_divide():
 def test_shard_model_and_opt_state():
     mesh = sharding.make_mesh(data=2, fsdp=2, expert=2)
     moe = with_backend(make_moe(), "ep")
-    step = sharding.make_train_step(lambda m, b: 0.0, optax.adam(1e-3), mesh, fsdp_min_size=256)
-    placed, opt_state = step.init(moe)
+    placed = sharding.shard_model(moe, mesh, fsdp_min_size=256)
+    params = eqx.filter(placed, eqx.is_inexact_array)
+    opt_state = optax.adam(1e-3).init(params)
+    specs = sharding.param_specs(params, mesh, fsdp_min_size=256)
+    opt_specs = sharding.opt_state_specs(opt_state, params, specs)
+    opt_state = jax.device_put(opt_state, jax.tree.map(lambda s: NamedSharding(mesh, s), opt_specs))
     assert placed.experts.w_up.sharding.spec == P("expert", None, "fsdp")
     assert placed.router.w_router.sharding.spec == P(None, None)
     adam = opt_state[0]
@@ -150,7 +155,7 @@ def test_shard_batch():
     assert placed["x"].addressable_shards[0].data.shape == (2, 3)
 
 
-# --- ShardedMoE with fsdp, and the train step --------------------------------------------------
+# --- ShardedMoE with fsdp, and the checks --------------------------------------------------------
 
 
 def test_sharded_moe_with_fsdp_matches_single_device():
@@ -177,91 +182,6 @@ def test_sharded_moe_with_fsdp_matches_single_device():
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
-def moe_loss(model, batch):
-    y, stats = model(batch["x"], seq_len=4)
-    loss = jnp.mean((y - batch["y"]) ** 2) + 1e-2 * stats.z_loss + 1e-2 * stats.seq_balance_loss
-    return loss, stats.tokens_per_expert
-
-
-@eqx.filter_jit
-def unsharded_step(model, opt_state, batch, optimizer, diff_filter):
-    params, rest = eqx.partition(model, diff_filter)
-    (loss, aux), grads = eqx.filter_value_and_grad(
-        lambda p: moe_loss(eqx.combine(p, rest), batch), has_aux=True
-    )(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return eqx.apply_updates(model, updates), opt_state, loss, aux
-
-
-def test_sharded_train_step_equals_unsharded():
-    """Three SGD-with-momentum steps on every kind of axis at once (data, fsdp and expert),
-    with the expert bias kept out of the optimizer by a tree of bools."""
-    mesh = sharding.make_mesh(data=2, fsdp=2, expert=2)
-    optimizer = optax.sgd(0.1, momentum=0.9)
-    moe = make_moe()
-
-    def no_bias(model):  # a tree of bools, like dropless.train.optim.trainable_filter's
-        keep = jax.tree.map(eqx.is_inexact_array, model)
-        return eqx.tree_at(lambda m: m.router.expert_bias, keep, False)
-
-    key = jax.random.key(4)
-    batches = []
-    for _ in range(3):
-        key, kx = jax.random.split(key)
-        x = jax.random.normal(kx, (64, DIM))
-        batches.append({"x": x, "y": jnp.tanh(x[:, ::-1])})
-
-    ep_moe = with_backend(moe, "ep")
-    step = sharding.make_train_step(
-        moe_loss, optimizer, mesh, has_aux=True, diff_filter=no_bias(ep_moe), fsdp_min_size=256
-    )
-    model, opt_state = step.init(ep_moe)
-    ref_model, ref_opt = moe, optimizer.init(eqx.filter(moe, no_bias(moe)))
-    for batch in batches:
-        model, opt_state, loss, counts = step(model, opt_state, step.shard_batch(batch))
-        ref_model, ref_opt, ref_loss, ref_counts = unsharded_step(
-            ref_model, ref_opt, batch, optimizer, no_bias(moe)
-        )
-        np.testing.assert_allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)
-        # aux is averaged over the 8 shards
-        np.testing.assert_allclose(counts * 8, ref_counts, rtol=RTOL, atol=ATOL)
-    for a, b in zip(
-        jax.tree.leaves(eqx.filter(model, eqx.is_array)),
-        jax.tree.leaves(eqx.filter(ref_model, eqx.is_array)),
-        strict=True,
-    ):
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
-    assert model.experts.w_gate.sharding.spec == P("expert", None, "fsdp")
-    assert not jnp.array_equal(model.router.w_router, moe.router.w_router)  # it trained
-    assert jnp.array_equal(model.router.expert_bias, moe.router.expert_bias)  # not trained
-
-
-def test_train_step_refuses_a_single_device_dispatcher():
-    mesh = sharding.make_mesh(data=2, expert=4)
-    step = sharding.make_train_step(moe_loss, optax.sgd(0.1), mesh, has_aux=True)
-    with pytest.raises(ValueError, match="with_backend"):
-        step.init(make_moe())
-
-
-def test_sharded_step_keeps_parameter_dtypes():
-    mesh = sharding.make_mesh(data=2, expert=4)
-    moe = jax.tree.map(
-        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a,
-        with_backend(make_moe(), "ep"),
-    )
-    to_f32 = optax.stateless(lambda u, _: jax.tree.map(lambda x: x.astype(jnp.float32), u))
-    step = sharding.make_train_step(
-        moe_loss, optax.chain(optax.sgd(0.1), to_f32), mesh, has_aux=True
-    )
-    model, opt_state = step.init(moe)
-    key = jax.random.key(5)
-    x = jax.random.normal(key, (64, DIM), jnp.bfloat16)
-    model, *_ = step(model, opt_state, step.shard_batch({"x": x, "y": jnp.tanh(x)}))
-    dtypes = [a.dtype for a in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
-    assert set(dtypes) == {jnp.dtype(jnp.bfloat16)}  # float32 updates, bf16 parameters
-    assert not jnp.array_equal(model.router.w_router, moe.router.w_router)
-
-
 def test_dispatchers_must_exchange_over_the_expert_axis():
     from dropless.backends.ep import AllToAllDispatcher
 
@@ -279,46 +199,3 @@ def test_dispatchers_must_exchange_over_the_expert_axis():
     with pytest.raises(ValueError, match="split over 'expert' \\(size 1\\)"):
         sharding.check_expert_parallel(wrong, data_only)
     sharding.check_expert_parallel(moe, data_only)  # "expert" of size 1 is fine
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("unroll", [False, True], ids=["scan", "unrolled"])
-def test_deepseek_v3_tiny_sharded_step_equals_unsharded(unroll):
-    models = pytest.importorskip("dropless.models.deepseek_v3")
-    # Unrolled: two MoE layers, so that their stacks are split and their gradients written
-    # back slice by slice. The reference runs the same split, so this checks the sharded
-    # layout (on a CPU the gradient buffer starts as zeros, not uninitialised).
-    n_layers = 3 if unroll else 2
-    config = models.get_preset(
-        "tiny", num_hidden_layers=n_layers, num_nextn_predict_layers=0, unroll_layers=unroll
-    )
-    model = models.DeepSeekV3(config, key=jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (8, 9), 0, config.vocab_size)
-
-    def loss_fn(m, batch):
-        out = m(batch[:, :-1])
-        ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, batch[:, 1:]).mean()
-        return ce + 1e-2 * out.moe_stats.seq_balance_loss.sum()
-
-    optimizer = optax.sgd(0.5)
-    mesh = sharding.make_mesh(data=2, fsdp=2, expert=2)
-    step = sharding.make_train_step(loss_fn, optimizer, mesh, fsdp_min_size=1024)
-    sharded, opt_state = step.init(with_backend(model, "ep"))
-
-    @eqx.filter_jit
-    def ref_step(m, o, b):
-        loss, g = eqx.filter_value_and_grad(loss_fn)(m, b)
-        u, o = optimizer.update(g, o, eqx.filter(m, eqx.is_inexact_array))
-        return eqx.apply_updates(m, u), o, loss
-
-    ref, ref_opt = model, optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-    for _ in range(2):
-        sharded, opt_state, loss, _ = step(sharded, opt_state, step.shard_batch(tokens))
-        ref, ref_opt, ref_loss = ref_step(ref, ref_opt, tokens)
-        np.testing.assert_allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)
-    for a, b in zip(
-        jax.tree.leaves(eqx.filter(sharded, eqx.is_array)),
-        jax.tree.leaves(eqx.filter(ref, eqx.is_array)),
-        strict=True,
-    ):
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)

@@ -17,14 +17,8 @@ from dropless.train.data import (
     TokenFile,
     token_file_splits,
 )
-from dropless.train.loop import (
-    TrainingDiverged,
-    TrainResults,
-    config_dict,
-    evaluate,
-    make_datasets,
-    train,
-)
+from dropless.train.finish import TrainResults
+from dropless.train.loop import TrainingDiverged, evaluate, train
 from dropless.train.metrics import (
     Callback,
     EvalLines,
@@ -41,6 +35,7 @@ from dropless.train.optim import (
     warmup_cosine,
     weight_decay_mask,
 )
+from dropless.train.setup import config_dict, make_datasets
 from dropless.train.step import (
     TrainState,
     eval_step,

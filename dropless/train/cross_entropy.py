@@ -27,8 +27,7 @@ def cross_entropy(
 def _is_target(logits, targets):
     # The target picked by a one-hot mask, not a gather: the gradient is one elementwise
     # expression (softmax minus one-hot) that XLA fuses with its cast to the head's bf16, where
-    # a gather's transpose is a scatter into a float32 [batch seq vocab] buffer
-    # (docs/benchmarks.md, twelfth run).
+    # a gather's transpose is a scatter into a float32 [batch seq vocab] buffer.
     return jnp.arange(logits.shape[-1]) == targets[..., None]
 
 
@@ -47,9 +46,9 @@ def token_cross_entropy(
 
 
 def _forward(logits, targets):
-    # Measured per platform (experiments/bench_cross_entropy.py; docs/benchmarks.md, twentieth
-    # run). H100, 49152 x 32768 logits: the one pass's forward takes 2.2 ms where two take 4.2
-    # (float32) and 2.2 (bf16). 2-core CPU, float32: two passes are 3-5x faster than one.
+    # Measured per platform (benchmarks/bench_cross_entropy.py). H100, 49152 x 32768 logits:
+    # the one pass's forward takes 2.2 ms where two take 4.2 (float32) and 2.2 (bf16). 2-core
+    # CPU, float32: two passes are 3-5x faster than one.
     lse, target_logits = jax.lax.platform_dependent(
         logits, targets, cpu=_logsumexp_two_passes, default=_logsumexp_one_pass
     )

@@ -116,14 +116,6 @@ def learning_rate(config: TrainConfig, step: ArrayLike) -> Float[Array, ""]:
     )
 
 
-# A bf16 moment m moves by (1 - beta) * (x - m) a step, and a move below half an ulp (2**-9
-# to 2**-8 of m) rounds away. With zero gradients that is a decay by (1 - beta) * m: at
-# beta = 0.999 a bf16 second moment never shrinks. With unit Gaussian gradients over 3000
-# steps a bf16 second moment ends about 4.5% high at beta = 0.99 and within 1% at 0.98
-# (tests/train/test_optim.py), hence the bound.
-MAX_BF16_BETA = 0.98
-
-
 def scale_by_adam(
     b1: ArrayLike, b2: ArrayLike, eps: ArrayLike, eps_root: ArrayLike = 0.0
 ) -> optax.GradientTransformation:

@@ -5,7 +5,7 @@
     state = shard_state(init_state(model, train_config), mesh)
     state, metrics = sharded_train_step(mesh, state, sharding.shard_batch(tokens, mesh))
 
-The step is `dropless.train.step.train_step` run through `sharding.sharded_value_and_grad`: each
+The step is `dropless.train.step.train_step` run through `sharded_value_and_grad`: each
 device computes the loss of its slice of the batch; the loss terms are averaged over slices, the
 MoE statistics summed (tokens per expert and drops are those of the whole batch, MaxVio is
 recomputed from them), and the aux-loss-free expert-bias update sees the GLOBAL tokens per
@@ -18,6 +18,8 @@ arrays as they are; a resumed run restores into the shardings of its freshly pla
 """
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -26,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, PyTree
 
 from dropless import sharding
-from dropless.backends import with_backend
+from dropless.backends import get_backend, with_backend
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     DeepSeekV3Config,
@@ -90,7 +92,7 @@ def prepare_model(model: DeepSeekV3, mesh: Mesh) -> DeepSeekV3:
     """`model` ready for `mesh`: on the expert-parallel "ep" backend when the expert axis is > 1,
     checked by `sharding.check_expert_parallel` (not yet placed: see `shard_state`)."""
     if mesh.shape["expert"] > 1:
-        model = with_backend(model, "ep")
+        model = with_backend(model, get_backend("ep"))
     sharding.check_expert_parallel(model, mesh)
     return model
 
@@ -115,6 +117,79 @@ def shard_state(state: TrainState, mesh: Mesh) -> TrainState:
     return eqx.combine(jax.device_put(arrays, state_shardings(arrays, mesh)), static)
 
 
+def _sum_unsharded(grads: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
+    """Inside shard_map (check_vma=False): each gradient is the local contribution; sum it over
+    the mesh axes along which its parameter is replicated (fsdp was reduce-scattered already)."""
+
+    def reduce(g, spec):
+        if g is None or spec is None:
+            return g
+        used = set()
+        for entry in spec:
+            used.update((entry,) if isinstance(entry, str) else tuple(entry or ()))
+        axes = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+        return jax.lax.psum(g, axes) if axes else g
+
+    return jax.tree.map(reduce, grads, specs, is_leaf=lambda n: n is None)
+
+
+def sharded_value_and_grad(
+    loss_fn: Callable[[PyTree, PyTree], Any],
+    mesh: Mesh,
+    *,
+    has_aux: bool = False,
+    diff_filter: Callable[[Any], bool] | PyTree = eqx.is_inexact_array,
+    fsdp_min_size: int = sharding.FSDP_MIN_SIZE,
+) -> Callable[[PyTree, PyTree], tuple[Any, PyTree]]:
+    """`eqx.filter_value_and_grad(loss_fn, has_aux)` run SPMD over `mesh`.
+
+    `loss_fn(model, batch)` runs on each device with its batch slice (leading dimension split
+    over `sharding.batch_axes`) and must return the mean over that slice (plus `aux` if
+    `has_aux`). The returned function takes global `(model, batch)` and gives `(loss, grads)` or
+    `((loss, aux), grads)`: the loss of the whole batch (mean over shards), `aux` averaged over
+    shards, and the gradient of the whole-batch loss with respect to the arrays `diff_filter`
+    selects (a callable on leaves, or a tree of bools like `optim.trainable_filter` returns), as
+    global arrays sharded like the parameters. Raises if the model cannot run on `mesh`
+    (`sharding.check_expert_parallel`).
+    """
+    axes = sharding.batch_axes(mesh)
+    shards = math.prod(mesh.shape[a] for a in axes)
+
+    def fn(model, batch):
+        sharding.check_expert_parallel(model, mesh)
+        diff, rest = eqx.partition(model, diff_filter)
+        rest, static = eqx.partition(rest, eqx.is_array)
+        diff_specs = sharding.param_specs(diff, mesh, fsdp_min_size=fsdp_min_size)
+        rest_specs = sharding.param_specs(rest, mesh, fsdp_min_size=fsdp_min_size)
+
+        def local(diff, rest, batch):
+            rest_full = sharding.gather_fsdp(rest, rest_specs)
+
+            def scaled(diff):
+                model = eqx.combine(sharding.gather_fsdp(diff, diff_specs), rest_full, static)
+                out = loss_fn(model, batch)
+                loss, aux = out if has_aux else (out, None)
+                return loss / shards, (loss, aux)
+
+            (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(diff)
+            grads = _sum_unsharded(grads, diff_specs, mesh)
+            if axes:
+                loss = jax.lax.pmean(loss, axes)
+                aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes), aux)
+            return loss, aux, grads
+
+        loss, aux, grads = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(diff_specs, rest_specs, sharding.batch_spec(mesh)),
+            out_specs=(P(), P(), diff_specs),
+            check_vma=False,
+        )(diff, rest, batch)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return fn
+
+
 def _constrain(state: TrainState, mesh: Mesh) -> TrainState:
     arrays, static = eqx.partition(state, eqx.is_array)
     arrays = jax.lax.with_sharding_constraint(arrays, state_shardings(arrays, mesh))
@@ -133,7 +208,7 @@ def _global_stats(stats: MoEStats, axes: tuple[str, ...]) -> MoEStats:
 
 
 def _local_loss(mesh: Mesh):
-    """`loss_fn((model, weights), tokens)` for `sharding.sharded_value_and_grad`: the weighted
+    """`loss_fn((model, weights), tokens)` for `sharded_value_and_grad`: the weighted
     loss of this shard, and (terms, global main-stack stats, global MTP stats) as aux."""
     axes = sharding.batch_axes(mesh)
 
@@ -153,7 +228,7 @@ def sharded_train_step(
     must be placed by `shard_state`, `tokens` by `sharding.shard_batch`. `state` is donated."""
     trainable = optim.trainable_filter(state.model)
     frozen_weights = jax.tree.map(lambda _: False, state.hparams)
-    value_and_grad = sharding.sharded_value_and_grad(
+    value_and_grad = sharded_value_and_grad(
         _local_loss(mesh), mesh, has_aux=True, diff_filter=(trainable, frozen_weights)
     )
     value_and_grad = accumulated(value_and_grad, micro_batches)

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from dropless.backends import get_backend
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
 from dropless.train import (
     Callback,
@@ -24,8 +25,8 @@ from dropless.train import (
     TrainingDiverged,
     config_dict,
     init_state,
-    loop,
     read_jsonl,
+    setup,
     train,
 )
 
@@ -204,10 +205,10 @@ def test_token_file_training_and_out_of_vocabulary_ids(tmp_path):
 
 def test_a_warmup_longer_than_the_run_warns():
     with pytest.warns(UserWarning, match=r"warmup_steps \(20\) > steps \(5\): the learning"):
-        loop._validate(TINY, config(steps=5, warmup_steps=20))
+        setup.validate(TINY, config(steps=5, warmup_steps=20))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        loop._validate(TINY, config(steps=20, warmup_steps=20))  # reaches lr at the last step
+        setup.validate(TINY, config(steps=20, warmup_steps=20))  # reaches lr at the last step
 
 
 def test_bad_settings_are_clear_errors(tmp_path):
@@ -231,3 +232,12 @@ def test_checkpoints_of_another_run_are_not_overwritten_or_misused(tmp_path):
     other = get_preset("tiny", n_routed_experts=8)
     with pytest.raises(CheckpointError, match="n_routed_experts: 16 -> 8"):
         train(other, config(resume=True), backend="jnp", out_dir=str(tmp_path))
+
+
+def test_a_backend_value_runs_as_its_name_does(tmp_path):
+    """`train` takes a `Backend` value as well as a name (resolved once, at this edge)."""
+    settings = config(steps=2, warmup_steps=1)
+    named = train(TINY, settings, backend="jnp", out_dir=str(tmp_path / "named"))
+    value = train(TINY, settings, backend=get_backend("jnp"), out_dir=str(tmp_path / "v"))
+    np.testing.assert_array_equal(value.losses, named.losses)
+    assert "backend: custom" in (tmp_path / "v" / "config.yaml").read_text()

@@ -1,22 +1,22 @@
-"""Keeping freed host memory for reuse, so that the CPU backend's large buffers stay cheap.
+"""Keeping freed host memory for reuse, so that the CPU backend's large buffers stay cheap
+(private: the `dropless` command and the benchmarks call it).
 
 XLA's CPU runtime mallocs every output and temporary buffer of a call afresh. glibc serves a
 block above its mmap threshold (which adapts up to 32 MiB at most) with fresh pages, and returns
 them at `free`; and XLA allocates from its worker threads, whose malloc arenas are heaps of at
 most 64 MiB. So a buffer of more than 32 MiB is page-faulted in at every call; raising the
 thresholds helps up to 64 MiB, and above that only if all threads share the main arena. The
-256-expert grouped matmul's weight gradient is such a buffer (134 MB): its fwd+bwd spent about
-a third of its time in page faults (docs/benchmarks.md, "Keeping freed memory").
+256-expert grouped matmul's weight gradient is such a buffer (134 MB): its fwd+bwd spends about
+a third of its time in page faults without this setting.
 
 `keep_freed_memory()` makes glibc keep such blocks for reuse: one arena for all threads, and
 blocks up to `threshold` bytes served from, and returned to, the heap (which is not trimmed
 below that much free memory). It must run before JAX's CPU client starts its threads, that is
 before the first JAX computation. The `dropless` command and bench_grouped_matmul.py call it;
-a script that drives dropless from Python calls it first thing. The price is host memory: freed
-blocks stay with the process, and glibc does not always fit a new block into a freed one of
-the same size, so the heap holds some spare blocks (peak RSS of the tiny preset's training 755
--> 802 MB, of the 256-expert fwd+bwd in docs/bench_logs/cpu-2026-12-06/faults.py 820 -> 981
-MB).
+a script that drives dropless from Python may call it first thing. The price is host memory:
+freed blocks stay with the process, and glibc does not always fit a new block into a freed one
+of the same size, so the heap holds some spare blocks (peak RSS of the tiny preset's training
+755 -> 802 MB, of a 256-expert grouped-matmul fwd+bwd 820 -> 981 MB).
 """
 
 import ctypes

@@ -14,15 +14,16 @@ import textwrap
 
 import pytest
 
-from dropless import host_memory, keep_freed_memory
+from dropless import _allocator
+from dropless._allocator import keep_freed_memory
 
-GLIBC_LINUX = host_memory._is_glibc()
+GLIBC_LINUX = _allocator._is_glibc()
 
 FRESH_PAGES = textwrap.dedent(
     """
     import resource, sys
-    import dropless
-    applied = dropless.keep_freed_memory() if sys.argv[1] == "keep" else False
+    from dropless._allocator import keep_freed_memory
+    applied = keep_freed_memory() if sys.argv[1] == "keep" else False
     import jax, jax.numpy as jnp
     from dropless.backends.chunked import chunked_grouped_matmul
     rows, experts = 4096, 128
@@ -72,20 +73,20 @@ def test_too_late_once_jax_runs(monkeypatch):
     import jax.numpy as jnp
 
     jnp.ones(2).block_until_ready()  # JAX has started in this process
-    monkeypatch.setattr(host_memory, "_applied", False)
+    monkeypatch.setattr(_allocator, "_applied", False)
     with pytest.warns(RuntimeWarning, match="before the first JAX computation"):
         assert keep_freed_memory() is False
     assert keep_freed_memory(warn=False) is False
 
 
 def test_nothing_to_do_off_glibc(monkeypatch):
-    monkeypatch.setattr(host_memory, "_applied", False)
-    monkeypatch.setattr(host_memory, "_is_glibc", lambda: False)
+    monkeypatch.setattr(_allocator, "_applied", False)
+    monkeypatch.setattr(_allocator, "_is_glibc", lambda: False)
     assert keep_freed_memory() is False
 
 
 @pytest.mark.parametrize("threshold", [0, 1000, 2**20 - 1, 2**31])
 def test_bad_threshold_names_the_field(monkeypatch, threshold):
-    monkeypatch.setattr(host_memory, "_applied", False)
+    monkeypatch.setattr(_allocator, "_applied", False)
     with pytest.raises(ValueError, match=r"threshold .* from 1 MiB .* to 2\*\*31 - 1 bytes"):
         keep_freed_memory(threshold)

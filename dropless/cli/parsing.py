@@ -1,0 +1,91 @@
+"""From arguments to a command: defaults from the preset and `--config`, then tyro's parse of
+the flags, `--help` and `--help-all` (dropless.cli.help), and a resumed run's own config."""
+
+import inspect
+import os
+from collections.abc import Sequence
+from typing import Annotated, Union
+
+import tyro
+
+from dropless.cli.config_file import load_yaml_config, replace_checked
+from dropless.cli.help import HELP_FLAGS, full_help, short_help
+from dropless.cli.options import BACKEND_NAMES, PresetsCommand, TrainCommand, to_options
+from dropless.models.deepseek_v3 import get_preset
+from dropless.train.config import TrainConfig
+from dropless.train.setup import CONFIG_FILE
+
+
+def flag_value(args: Sequence[str], name: str) -> str | None:
+    """The value of `--name X` or `--name=X` in args (the last one wins), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def defaults(args: Sequence[str]) -> TrainCommand:
+    """The train command's defaults: preset, then the YAML config, from a first look at args."""
+    file = flag_value(args, "--config")
+    data = load_yaml_config(file) if file else {}
+    preset = flag_value(args, "--preset") or data.get("preset", "tiny")
+    model = get_preset(preset)
+    model = replace_checked(model, data.get("model") or {}, f"{file}: model")
+    train = replace_checked(TrainConfig(), data.get("train") or {}, f"{file}: train")
+    backend = data.get("backend", "auto")
+    if backend not in BACKEND_NAMES:
+        raise ValueError(
+            f"{file}: unknown backend {backend!r}; known backends: {', '.join(BACKEND_NAMES)}"
+        )
+    return TrainCommand(
+        model=to_options(model), train=train, preset=preset, config=file, backend=backend
+    )
+
+
+def _print_help(args: Sequence[str]) -> None:
+    """Prints the train command's help (all of it with --help-all) and exits."""
+    base = defaults(args)
+    print(full_help(base) if "--help-all" in args else short_help(base))
+    raise SystemExit(0)
+
+
+def parse(args: Sequence[str]) -> TrainCommand | PresetsCommand:
+    """The command that `args` (without the program name) describe; exits on --help and, through
+    tyro, on malformed options; ValueError/FileNotFoundError report bad presets or config
+    files."""
+    if args and args[0] == "train":
+        if any(arg in HELP_FLAGS for arg in args[1:]):
+            _print_help(args[1:])
+        # parsed on its own (not as the subcommand of a union) so that tyro's messages name
+        # `dropless train` and its options rather than an internal wrapper
+        command = tyro.cli(
+            TrainCommand,
+            default=defaults(args[1:]),
+            args=list(args[1:]),
+            prog="dropless train",
+            description=inspect.cleandoc(TrainCommand.__doc__),
+        )
+    else:
+        command = tyro.cli(
+            Union[  # noqa: UP007
+                Annotated[TrainCommand, tyro.conf.subcommand("train")],
+                Annotated[PresetsCommand, tyro.conf.subcommand("presets")],
+            ],
+            args=list(args),
+            prog="dropless",
+            description="dropless: dropless Mixture-of-Experts training in JAX.",
+        )
+    resumed = _resumed_config(command)
+    return parse([*args, "--config", resumed]) if resumed else command
+
+
+def _resumed_config(command: TrainCommand | PresetsCommand) -> str | None:
+    """The config.yaml of the run that `command` resumes, when no `--config` was given: the run
+    goes on with its own model and settings (the flags and `--set` still override them)."""
+    if not isinstance(command, TrainCommand) or command.config or command.out_dir is None:
+        return None
+    path = os.path.join(command.out_dir, CONFIG_FILE)
+    return path if command.configs()[1].resume and os.path.isfile(path) else None

@@ -1,0 +1,111 @@
+"""Running a parsed command: `dropless presets`' table, and `dropless train`'s header, run
+and summary of where the results went."""
+
+import os
+import sys
+import time
+
+from dropless.backends import resolve_backend_name
+from dropless.cli.options import TrainCommand
+from dropless.models.deepseek_v3 import PRESETS, count_params, get_preset
+from dropless.train.checkpoint import CheckpointError
+from dropless.train.compile_cache import enable_compile_cache
+from dropless.train.loop import TrainingDiverged, train
+from dropless.train.metrics import EvalLines, ProgressBar
+
+
+def list_presets() -> None:
+    """Prints every model preset with its total, active and MTP parameter counts."""
+
+    def human(n: int) -> str:
+        if n == 0:
+            return "-"
+        return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+    print(f"{'preset':<18} {'total':>8} {'active':>8} {'mtp':>8}")
+    for name in PRESETS:
+        count = count_params(get_preset(name))
+        print(f"{name:<18} {human(count.total):>8} {human(count.active):>8} {human(count.mtp):>8}")
+
+
+def _describe(results, elapsed: float) -> str:
+    files = results.files
+    lines = [f"Done in {elapsed:.0f} s. Results in {results.out_dir}:"]
+    final = results.final_eval
+    if final is not None:
+        lines.append(
+            f"  eval loss {final['loss']:.4f} (cross-entropy {final['ce']:.4f}, "
+            f"MaxVio {final['max_vio']:.3f}) at step {final['step']}"
+        )
+    lines.append(f"  metrics      {files['metrics']}")
+    lines.append(f"  config       {files['config']}")
+    lines.append(f"  checkpoints  {files['checkpoints']}")
+    for key, label in (("loss_plot", "loss plot"), ("load_plot", "expert load")):
+        if key in files:
+            lines.append(f"  {label:<12} {files[key]}")
+    lines.append(f"  summary      {files['summary']}")
+    return "\n".join(lines)
+
+
+def run_name(command: TrainCommand, resume: bool) -> str:
+    """What the header calls the run, and the default output directory starts with: the
+    resumed run's directory, the --config file's name (its run's, for a run's own
+    config.yaml), or the preset."""
+    if resume and command.out_dir:
+        return os.path.basename(os.path.normpath(command.out_dir))
+    if command.config:
+        path = os.path.abspath(command.config)
+        name = os.path.splitext(os.path.basename(path))[0]
+        return (os.path.basename(os.path.dirname(path)) or name) if name == "config" else name
+    return command.preset
+
+
+def _backend_label(backend: str) -> str:
+    """The backend's name, with the one it stands for if it is "auto": "auto (jnp)"."""
+    resolved = resolve_backend_name(backend)
+    return backend if resolved == backend else f"{backend} ({resolved})"
+
+
+def run_train(command: TrainCommand) -> int:
+    model, train_config = command.configs()
+    if train_config.resume and command.out_dir is None:
+        raise ValueError("--resume needs --out-dir (the directory of the run to continue)")
+    name = run_name(command, train_config.resume)
+    out_dir = command.out_dir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if command.compile_cache:
+        enable_compile_cache()
+    data = "the synthetic corpus" if train_config.data == "synthetic" else train_config.data
+    verb = "resuming" if train_config.resume else "training"
+    mesh = f", mesh {train_config.mesh}" if train_config.mesh else ""
+    print(
+        f"dropless: {verb} '{name}' on {data} for {train_config.steps} "
+        f"step{'s' if train_config.steps != 1 else ''} "
+        f"(batch {train_config.batch_size} x {train_config.seq_len} tokens, backend "
+        f"{_backend_label(command.backend)}{mesh}) -> {out_dir}",
+        flush=True,
+    )
+    bar = ProgressBar(file=sys.stderr) if command.progress else None
+    began = time.perf_counter()
+    try:
+        results = train(
+            model,
+            train_config,
+            backend=command.backend,
+            out_dir=out_dir,
+            callbacks=[bar] if bar else [EvalLines(file=sys.stdout)],
+        )
+    except (TrainingDiverged, CheckpointError) as err:
+        if bar:
+            bar.close()
+        print(f"dropless: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if bar:
+            bar.close()
+        print(
+            f"dropless: interrupted; continue with: dropless train --out-dir {out_dir} --resume",
+            file=sys.stderr,
+        )
+        return 130
+    print(_describe(results, time.perf_counter() - began))
+    return 0
