@@ -15,7 +15,7 @@ if [ ! -f /tmp/site/.tokamax-ready ]; then
     .whl/*.whl && touch /tmp/site/.tokamax-ready
 fi
 [ -f .te/env.sh ] && source .te/env.sh
-export PYTHONPATH=/tmp/site:$PWD:$PWD/experiments${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks:$PWD/experiments${PYTHONPATH:+:$PYTHONPATH}
 git_rev=$(cat .git-rev 2>/dev/null || echo unknown)
 (nvidia-smi; python3 -c "import jax; print(jax.__version__, jax.devices())"; echo "commit $git_rev") \
   > "$OUT/machine.log" 2>&1
@@ -27,10 +27,10 @@ case $stage in
       2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
   gmm1|gmm2)
     shapes=$([ "$stage" = gmm1 ] && echo 8x2048,64x512 || echo 256x256,256x128)
-    timeout 560 python3 experiments/bench_moe.py --skip-layer --strategies $strategies \
+    timeout 560 python3 benchmarks/bench_moe.py --skip-layer --strategies $strategies \
       --shapes $shapes --out "$OUT/$stage" 2>&1 | tee "$OUT/$stage.log" | grep -v Warning ;;
   layer)
-    timeout 560 python3 experiments/bench_moe.py --skip-gmm --tokens 8192,16384,32768 \
+    timeout 560 python3 benchmarks/bench_moe.py --skip-gmm --tokens 8192,16384,32768 \
       --layer-backends pallas,tokamax,te-gmm,jnp-capacity --out "$OUT/layer" 2>&1 \
       | tee "$OUT/layer.log" | grep -v Warning ;;
   *) echo "unknown stage $stage: tests, gmm1, gmm2 or layer"; exit 2 ;;

@@ -1,8 +1,13 @@
-"""Shared helpers for the scripted experiments: arguments, configs, a layer-by-layer forward."""
+"""Shared helpers for the scripted experiments: arguments, configs, a layer-by-layer forward,
+and the timer, tables and result files (JSON + CSV) that the benchmarks use too."""
 
 import argparse
+import csv
+import json
 import pathlib
+import statistics
 import sys
+import time
 
 import matplotlib
 
@@ -96,4 +101,53 @@ def smoothed(values, window: int) -> tuple[np.ndarray, np.ndarray]:
     window = max(1, min(window, len(values)))
     return np.arange(window, len(values) + 1), np.convolve(
         values, np.ones(window) / window, mode="valid"
+    )
+
+
+def median_time(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
+    """Median wall time of fn(*args) in seconds, after warm-up (compilation excluded)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def print_table(rows: list[dict], title: str = "") -> None:
+    if title:
+        print(f"\n{title}")
+    if not rows:
+        return
+    keys = list(rows[0])
+    cells = [[_fmt(r.get(k)) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print("  ".join(k.rjust(w) for k, w in zip(keys, widths, strict=True)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=True)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def write_results(out: pathlib.Path, name: str, rows: list[dict], meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if rows:
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        with open(out / f"{name}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+
+
+def machine() -> str:
+    d = jax.devices()[0]
+    return (
+        f"{d.platform}:{getattr(d, 'device_kind', '')} x{jax.device_count()}, jax {jax.__version__}"
     )

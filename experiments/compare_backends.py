@@ -18,8 +18,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import cross_entropy, parser  # noqa: E402
-from _timing import machine, median_time, print_table, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    cross_entropy,
+    machine,
+    median_time,
+    parser,
+    print_table,
+    write_results,
+)
 
 import dropless  # noqa: E402
 from dropless.backends.oracle import OneHotGroupedMatmul, oracle_moe  # noqa: E402

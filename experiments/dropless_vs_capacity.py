@@ -24,13 +24,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from _common import (  # noqa: E402
     cross_entropy,
+    machine,
+    median_time,
     model_config,
     moe_forward,
     moe_layers,
     parser,
+    print_table,
     train_config,
+    write_results,
 )
-from _timing import machine, median_time, print_table, write_results  # noqa: E402
 
 from dropless import MoE  # noqa: E402
 from dropless.models.deepseek_v3 import DeepSeekV3  # noqa: E402

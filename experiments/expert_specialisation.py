@@ -21,8 +21,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import model_config, moe_forward, moe_layers, parser, train_config  # noqa: E402
-from _timing import machine, print_table, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    machine,
+    model_config,
+    moe_forward,
+    moe_layers,
+    parser,
+    print_table,
+    train_config,
+    write_results,
+)
 
 from dropless.balance import tokens_per_expert  # noqa: E402
 from dropless.train import SyntheticCorpus, train  # noqa: E402

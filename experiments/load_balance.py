@@ -15,8 +15,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import model_config, parser, smoothed, train_config  # noqa: E402
-from _timing import machine, print_table, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    machine,
+    model_config,
+    parser,
+    print_table,
+    smoothed,
+    train_config,
+    write_results,
+)
 
 from dropless.train import train  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""Smoke tests: each scripted experiment runs end to end for a few steps and writes its files."""
+"""Smoke tests: each scripted experiment runs end to end for a few steps and writes its files;
+the benchmark scripts run on toy shapes on the CPU."""
 
 import importlib.util
 import json
@@ -6,13 +7,18 @@ import pathlib
 
 import pytest
 
-EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"
+BENCHMARKS = ROOT / "benchmarks"
+RESULTS = BENCHMARKS / "results"
 # Shared by every training script, so the train/eval steps compile once for the whole file.
 SMALL = ["--steps", "3", "--batch-size", "4", "--seq-len", "16"]
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"experiments_{name}", EXPERIMENTS / f"{name}.py")
+    """A script of experiments/ or benchmarks/ (where it is), as a module."""
+    folder = EXPERIMENTS if (EXPERIMENTS / f"{name}.py").exists() else BENCHMARKS
+    spec = importlib.util.spec_from_file_location(f"{folder.name}_{name}", folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -158,7 +164,7 @@ def test_tile_search_rejects_inexact_tilings(tmp_path, monkeypatch, capsys):
     import sys
     import time
 
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     sys.modules.pop("tune_pallas", None)
     import tune_pallas
 
@@ -198,7 +204,7 @@ def test_mosaic_tile_search_rejects_inexact_settings(tmp_path, monkeypatch, caps
     import sys
     import time
 
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     sys.modules.pop("tune_mosaic", None)
     import tune_mosaic
 
@@ -255,7 +261,7 @@ def test_short_contraction_tile_candidates_lower_for_cuda(name, lowered, monkeyp
     import jax
     import jax.numpy as jnp
 
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     sys.modules.pop("tune_mosaic", None)
     import tune_mosaic
 
@@ -269,27 +275,26 @@ def test_short_contraction_tile_candidates_lower_for_cuda(name, lowered, monkeyp
         assert text.count("custom_call @mosaic_gpu") == 1
 
 
-def test_grouped_gemm_figure_is_redrawn_from_a_results_csv(tmp_path, monkeypatch):
-    """--replot draws a committed run's table (the tenth H200 run's) without running anything;
-    a CSV of another script is named as such."""
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+def test_grouped_gemm_figure_is_redrawn_from_a_results_file(tmp_path, monkeypatch):
+    """--replot draws a committed table (the H200's, benchmarks/results/) without running
+    anything; a CSV of another script is named as such."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench_moe = load("bench_moe")
-    csv_path = EXPERIMENTS.parent / "docs/bench_logs/h200-2026-12-03-run10/f1_grouped_matmul.csv"
-    rows = bench_moe.read_rows(csv_path)
+    path = RESULTS / "grouped_gemm_h200.json"
+    rows = bench_moe.read_rows(path)
     assert len(rows) == 24 and all(isinstance(r["fwd+bwd / dense"], float) for r in rows)
-    bench_moe.main(["--replot", str(csv_path), "--out", str(tmp_path)])
-    figure = tmp_path / "h200-2026-12-03-run10_f1_grouped_matmul.png"
-    assert figure.stat().st_size > 10_000
+    bench_moe.main(["--replot", str(path), "--out", str(tmp_path)])
+    assert (tmp_path / "grouped_gemm_h200.png").stat().st_size > 10_000
     other = tmp_path / "other.csv"
     other.write_text("backend,step s\npallas,0.1\n")
-    with pytest.raises(ValueError, match="not a grouped_matmul.csv of bench_moe.py"):
+    with pytest.raises(ValueError, match="not a grouped_matmul table of bench_moe.py"):
         bench_moe.read_rows(other)
 
 
 def test_cpu_grouped_matmul_benchmark_on_toy_shapes(tmp_path, monkeypatch):
     """bench_grouped_matmul.py (issue 2's CPU table) at toy shapes, glibc left as it is (this
     process has run JAX, so `keep_freed_memory` could not act), and its record of that."""
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     argv = ["--rows", "512", "--in-width", "32", "--out-width", "64", "--experts", "8"]
     argv += ["--strategies", "jnp-chunked,jnp-capacity", "--repeats", "2", "--glibc-default"]
     returned = load("bench_grouped_matmul").main([*argv, "--out", str(tmp_path)])
@@ -306,7 +311,7 @@ def test_cpu_grouped_matmul_benchmark_on_toy_shapes(tmp_path, monkeypatch):
 
 def test_grouped_gemm_benchmark_times_in_rounds(tmp_path, monkeypatch):
     """bench_moe.py's grouped-GEMM table on toy shapes (its CPU smoke run), in two rounds."""
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))  # its helpers, _timing and _profile
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # its helpers, _timing and _profile
     argv = ["--tiny", "--quick", "--skip-layer", "--strategies", "jnp-capacity", "--rounds", "2"]
     load("bench_moe").main([*argv, "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "grouped_matmul.json").read_text())["rows"]
@@ -317,41 +322,23 @@ def test_grouped_gemm_benchmark_times_in_rounds(tmp_path, monkeypatch):
 
 
 def test_mfu_history_figure_and_its_table(tmp_path):
-    """The train-step MFU history: the committed table draws; each row's step time and MFU stand
-    on one line of the log it cites (bench_train.py prints MFU as a fraction, the one-process
-    A/B scripts as a percent); a table without a column is refused by name."""
-    import csv
+    """The train-step MFU history: the committed table draws; within a series (batch,
+    micro-batches) MFU x step time is one number, the model FLOPs per step over the peak (the
+    1.5% allows for the logs' rounding, 3 significant figures or MFU to 0.1%, and the 0.15%
+    that proxy-2b's wider rope key adds); a table without a column is refused by name."""
     import statistics
 
     plot_mfu_history = load("plot_mfu_history")
-    root = EXPERIMENTS.parent
-    table = root / "docs/bench_logs/mfu_history.csv"
+    table = RESULTS / "train_step_h200_history.json"
     plot_mfu_history.main([str(table), "--out", str(tmp_path)])
     assert (tmp_path / "mfu_history.png").stat().st_size > 10_000
 
-    with open(table, newline="") as f:
-        rows = list(csv.DictReader(f))
     products = {}
-    for row in rows:
-        mfu = float(row["mfu"])
-        lines = (root / row["log"]).read_text().splitlines()
-        cited = (
-            row["mfu"] in line or f"MFU {mfu:.1%}" in line
-            for line in lines
-            if row["step_s"] in line
-        )
-        assert any(cited), row
-        products.setdefault((row["batch"], row["micro_batches"]), []).append(
-            mfu * float(row["step_s"])
-        )
-    # MFU = model FLOPs per step / step time / peak, so within a series MFU x step time is one
-    # number: bench_train.flops_per_token is unchanged since before the seventh run, every
-    # bench_train log of runs 7-16 prints 2.70 model GFLOP/token (proxy-2b's heads at V3's
-    # widths, eighteenth run, add 0.15%), and the A/B scripts call flops_per_token with the same
-    # 989 TFLOP/s peak. The 1.5% allows for the logs' rounding (3 significant figures, or MFU
-    # to 0.1%) and that 0.15%.
-    series = {("8", "1"), ("16", "1"), ("24", "1"), ("32", "1"), ("32", "2"), ("32", "4")}
-    assert set(products) == series
+    for row in plot_mfu_history.read_rows(table):
+        assert row["log"].startswith("docs/bench_logs/")  # in git history (see its meta)
+        key = (row["batch"], row["micro_batches"])
+        products.setdefault(key, []).append(row["mfu"] * row["step_s"])
+    assert set(products) == {(8, 1), (16, 1), (24, 1), (32, 1), (32, 2), (32, 4)}
     for series, values in products.items():
         middle = statistics.median(values)
         assert all(abs(v / middle - 1) < 0.015 for v in values), (series, values)
@@ -360,6 +347,19 @@ def test_mfu_history_figure_and_its_table(tmp_path):
     no_mfu.write_text("run,date,change,batch,micro_batches,step_s,log\n7,d,c,8,1,0.177,x.log\n")
     with pytest.raises(ValueError, match=r"missing column\(s\) \['mfu'\]"):
         plot_mfu_history.main([str(no_mfu), "--out", str(tmp_path)])
+
+
+def test_results_name_their_command_and_commit():
+    """Every file of benchmarks/results/ holds rows and says what made them: the benchmark,
+    the machine, and a command and a commit (in its meta, or in each row)."""
+    files = sorted(RESULTS.glob("*.json"))
+    assert len(files) >= 8
+    for path in files:
+        results = json.loads(path.read_text())
+        meta, rows = results["meta"], results["rows"]
+        assert rows and meta["benchmark"] and meta["machine"], path
+        for key in ("command", "commit"):
+            assert key in meta or all(key in r for r in rows), (path, key)
 
 
 def test_step_comparison_runs_each_variant_inside_its_context(monkeypatch):
@@ -372,7 +372,7 @@ def test_step_comparison_runs_each_variant_inside_its_context(monkeypatch):
 
     from dropless.models.deepseek_v3 import get_preset
 
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench_train = load("bench_train")
     owner = types.SimpleNamespace(choice="library")
     seen, cleared = [], []
@@ -415,7 +415,7 @@ def test_train_bench_names_the_memory_fraction_when_out_of_memory(
     """An out-of-memory step is reported in the table; on a GPU, unless JAX's memory fraction
     was set, the run also says how to give JAX more of it. `bench` is replaced (nothing
     compiles), and so is the backend's name."""
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench_train = load("bench_train")
     monkeypatch.setattr(bench_train.jax, "default_backend", lambda: "gpu")
     for name in bench_train.MEMORY_FRACTION:
@@ -438,7 +438,7 @@ def test_train_bench_names_the_memory_fraction_when_out_of_memory(
 def test_train_bench_profiles_with_command_buffers_off(monkeypatch, tmp_path):
     """--profile turns XLA's GPU command buffers off (they hide the scopes), replacing a
     command-buffer flag already set and keeping the other flags. `bench` is replaced."""
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench_train = load("bench_train")
     flags = "--xla_force_host_platform_device_count=8 --xla_gpu_enable_command_buffer=FUSION"
     monkeypatch.setenv("XLA_FLAGS", flags)
@@ -454,23 +454,10 @@ def test_train_bench_profiles_with_command_buffers_off(monkeypatch, tmp_path):
     )
 
 
-def test_row_gather_bench_times_both_kernels(monkeypatch):
-    """bench_row_gather's kernel table on the CPU (the kernel interpreted, tiny sizes): both
-    gathers timed against XLA's, the plain gather bitwise equal, the fused dot products within
-    float32 rounding."""
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
-    bench = load("bench_row_gather")
-    rows = bench.kernels(tokens=32, dim=128, k=2, interpret=True)
-    assert [("error" in row) for row in rows] == [False, False]
-    assert all(row["xla ms"] > 0 and row["pallas ms"] > 0 for row in rows)
-    assert rows[0]["equal"] and rows[0]["rel err"] == 0
-    assert rows[1]["rel err"] < 1e-6
-
-
 def test_attention_bench_runs_each_width_pair(tmp_path, monkeypatch):
     """bench_attention on the CPU (JAX's own attention, tiny sizes): a row per width pair,
     positive rates against the dense matmul of the same run, and its result files."""
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = load("bench_attention")
     argv = ["--impl", "xla", "--batch", "1", "--seq", "64", "--heads", "2", "--repeats", "1"]
     rows = bench.main([*argv, "--widths", "96/64,64/64", "--out", str(tmp_path)])
@@ -486,7 +473,7 @@ def test_bench_train_set_reads_values_as_the_cli_does(monkeypatch):
     unknown field or a malformed item is an error naming it."""
     from dropless.models.deepseek_v3 import get_preset
 
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench_train = load("bench_train")
     items = ["num_attention_heads=8", "q_lora_rank=None", "rope_theta=1e4"]
     config = bench_train.with_overrides(get_preset("tiny"), items)
@@ -501,7 +488,7 @@ def test_cross_entropy_bench_times_each_forward(tmp_path, monkeypatch):
     """bench_cross_entropy on the CPU (tiny sizes): every forward timed for each dtype, each
     giving the one pass's losses (to float32 rounding), its result files, and ratios over
     whichever variant is asked for."""
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = load("bench_cross_entropy")
     argv = ["--positions", "16", "--vocab", "64", "--out", str(tmp_path)]
     rows = bench.main(argv)
@@ -519,7 +506,7 @@ def test_cross_entropy_bench_times_each_forward(tmp_path, monkeypatch):
 def test_swiglu_epilogue_bench_in_the_interpreter(tmp_path, monkeypatch):
     """bench_swiglu_epilogue on the CPU through Mosaic GPU's interpreter (one tiny case): both
     paths timed, their hidden outputs within bf16 rounding, and its result files."""
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
     bench = load("bench_swiglu_epilogue")
     from dropless.backends import mosaic
@@ -535,7 +522,7 @@ def test_weights_before_down_bench_keeps_less(tmp_path, monkeypatch):
     """bench_weights_before_down on the CPU (a small float32 layer): both settings compiled and
     timed, and with the weights before the down projection JAX keeps less for the backward
     (no expert outputs: [rows dim] less, rows = tokens * k), with the ratio."""
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = load("bench_weights_before_down")
     argv = ["--tokens", "1024", "--dim", "128", "--hidden", "64", "--experts", "8", "--k", "4"]
     rows = bench.main([*argv, "--backend", "jnp", "--dtype", "float32", "--repeats", "1"]
