@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 45's anchors on one H200, in the device tool's calls (one stage a call, the machine warm):
+# Issue 45's anchors on one H200, in the device tool's calls (stages in order; the machine warm
+# between calls), e.g. `bash benchmarks/h200_anchors.sh tests gmm1`:
 #   tests  GPU tests of the tokamax and pallas grouped matmuls (and TE's, where staged)
 #   gmm1   grouped GEMM fwd / fwd+bwd over dense: 8x2048 and 64x512 (experts x rows per expert)
 #   gmm2   the same at 256x256 and 256x128
@@ -8,7 +9,6 @@
 # Carry: .whl (tokamax 0.0.12 with --no-deps, its needs, typeguard 2.13.3) and, for TE, the
 # .te parts as ../shared/device/README.md says. Everything lands under $OUT.
 set -uo pipefail
-stage=$1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 if [ ! -f /tmp/site/.tokamax-ready ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -20,14 +20,15 @@ git_rev=$(cat .git-rev 2>/dev/null || echo unknown)
 (nvidia-smi; python3 -c "import jax; print(jax.__version__, jax.devices())"; echo "commit $git_rev") \
   > "$OUT/machine.log" 2>&1
 strategies=pallas,tokamax,te,ragged_dot,jnp-capacity
+for stage in "$@"; do
 case $stage in
   tests)
-    timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu tests/backends/test_tokamax.py \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/backends/test_tokamax.py \
       tests/backends/test_gpu_backends.py -k "tokamax or (equals_oracle and (pallas or te))" \
       2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
   gmm1|gmm2)
     shapes=$([ "$stage" = gmm1 ] && echo 8x2048,64x512 || echo 256x256,256x128)
-    timeout 560 python3 benchmarks/bench_moe.py --skip-layer --strategies $strategies \
+    timeout 420 python3 benchmarks/bench_moe.py --skip-layer --strategies $strategies \
       --shapes $shapes --out "$OUT/$stage" 2>&1 | tee "$OUT/$stage.log" | grep -v Warning ;;
   layer)
     timeout 560 python3 benchmarks/bench_moe.py --skip-gmm --tokens 8192,16384,32768 \
@@ -35,3 +36,4 @@ case $stage in
       | tee "$OUT/layer.log" | grep -v Warning ;;
   *) echo "unknown stage $stage: tests, gmm1, gmm2 or layer"; exit 2 ;;
 esac
+done

@@ -12,6 +12,7 @@ from dropless.backends import (
     BackendUnavailableError,
     available_backends,
     get_backend,
+    register_backend,
     with_backend,
 )
 from dropless.balance import (
@@ -47,6 +48,7 @@ __all__ = [
     "available_backends",
     "batch_balance_loss",
     "get_backend",
+    "register_backend",
     "max_violation",
     "router_z_loss",
     "routing_stats",
