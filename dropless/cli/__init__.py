@@ -8,11 +8,16 @@
     dropless train --mesh data=2,expert=4            # sharded over 8 devices, experts over 4
     dropless train --help-all                        # every option
     dropless presets                                 # the model presets and their sizes
+    dropless prepare notes/ --out data/notes         # text -> tokens (then train --data)
+    dropless eval runs/small                         # loss, perplexity, bits per byte
+    dropless generate runs/small --prompt "def "     # what the trained model writes
+    dropless plan --preset small --batch-size 64 --seq-len 1024   # memory per device
 
 Precedence, lowest first: the preset, a YAML `--config` (sections `preset`, `backend`, `model`,
 `train`: the `config.yaml` every run writes; `--resume` reads the run's own), the flags, `--set`.
 Modules: `options` (what tyro parses), `config_file` (YAML and `--set`), `help` (`--help`,
-`--help-all`), `parsing`, `run`.
+`--help-all`), `parsing`, `run`; `commands` dispatches the other subcommands (`plan`, `evaluate`,
+`generate`, and `dropless.data.cli` for prepare) and writes `dropless --help`.
 """
 
 import sys
@@ -20,6 +25,7 @@ from collections.abc import Sequence
 
 from dropless._allocator import keep_freed_memory
 from dropless.backends import BackendUnavailableError
+from dropless.cli.commands import TYRO_COMMANDS, run_command
 from dropless.cli.config_file import apply_overrides, load_yaml_config
 from dropless.cli.options import MODEL_HELP, ModelOptions, PresetsCommand, TrainCommand
 from dropless.cli.parsing import parse
@@ -44,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # CPU training reuses its freed buffers instead of page-faulting them in afresh at every
     # step (the tiny preset's 200 steps: 21-24 s -> 18-21 s); no effect if JAX already runs
     keep_freed_memory(warn=False)
+    if not args or args[0] not in TYRO_COMMANDS:
+        return run_command(args)
     try:
         command = parse(args)
         if isinstance(command, PresetsCommand):

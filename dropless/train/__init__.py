@@ -1,9 +1,10 @@
 """Training: loss and steps, optimiser, data, checkpoints, metrics, and the loop.
 
 from dropless.models.deepseek_v3 import get_preset
-from dropless.train import TrainConfig, train
+from dropless.train import TrainConfig, load_run, train
 
 results = train(get_preset("tiny"), TrainConfig(steps=200), out_dir="runs/tiny")
+run = load_run("runs/tiny")          # its configs, model and tokenizer, back from the checkpoint
 """
 
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
@@ -35,6 +36,8 @@ from dropless.train.optim import (
     warmup_cosine,
     weight_decay_mask,
 )
+from dropless.train.run_dir import LoadedRun, load_run
+from dropless.train.run_eval import evaluate_run
 from dropless.train.setup import config_dict, make_datasets
 from dropless.train.step import (
     TrainState,
@@ -53,6 +56,7 @@ __all__ = [
     "Checkpointer",
     "MetricsWriter",
     "EvalLines",
+    "LoadedRun",
     "ProgressBar",
     "SyntheticCorpus",
     "TensorBoard",
@@ -65,10 +69,12 @@ __all__ = [
     "enable_compile_cache",
     "eval_step",
     "evaluate",
+    "evaluate_run",
     "expert_bias_filter",
     "head_cross_entropy",
     "init_state",
     "learning_rate",
+    "load_run",
     "loss_terms",
     "make_datasets",
     "open_for_resume",

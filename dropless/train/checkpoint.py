@@ -70,10 +70,11 @@ class Checkpointer:
         """(state, meta) of checkpoint `step` (default: the latest).
 
         `like` is a pytree of the same structure (shapes, dtypes) as the saved state, e.g. a
-        freshly initialised one; its arrays are replaced by the saved ones.
+        freshly initialised one, or an abstract one (`eqx.filter_eval_shape`: nothing is
+        allocated before the read); its arrays are replaced by the saved ones.
         """
         step = self._resolve(step)
-        arrays, static = eqx.partition(like, eqx.is_array)
+        arrays, static = eqx.partition(like, _is_array_or_abstract)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
         try:
             restored = self._manager.restore(
@@ -91,7 +92,7 @@ class Checkpointer:
         # fresh single-device state), commitment would make jit see new arguments and compile
         # the step again in this process; through the host, the array is uncommitted too.
         placed = jax.tree.map(
-            lambda new, old: new if old.committed else jnp.asarray(jax.device_get(new)),
+            lambda new, old: new if _committed(old) else jnp.asarray(jax.device_get(new)),
             restored.state,
             arrays,
         )
@@ -120,6 +121,15 @@ class Checkpointer:
                 f"no checkpoint for step {step} in {self.directory}; available: {steps}"
             )
         return step
+
+
+def _is_array_or_abstract(x) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _committed(x) -> bool:
+    # an abstract leaf has no placement to keep: the read array stays where orbax put it
+    return isinstance(x, jax.ShapeDtypeStruct) or x.committed
 
 
 def open_for_resume(directory: str, *, keep: int = 3) -> Checkpointer:

@@ -16,12 +16,9 @@ unsharded local model and its gradient at the backward's end; `fsdp_gather="laye
 step that gathers inside the layer scan instead (two layers in flight; not implemented yet).
 """
 
-import argparse
 import dataclasses
 import math
 import re
-import sys
-from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -29,9 +26,9 @@ import jax.numpy as jnp
 
 from dropless import sharding
 from dropless.backends.ep import buffer_rows
-from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, count_params, get_preset
+from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, count_params
 from dropless.train import optim
-from dropless.train.config import TrainConfig
+from dropless.train.config import MAX_BF16_BETA, TrainConfig
 from dropless.train.plan_activations import activations
 
 EXCHANGES = ("ragged", "all_to_all")
@@ -186,7 +183,7 @@ def plan(
         seq_len=seq_len,
         micro_batches=micro_batches,
         moments_dtype=moments_dtype,
-        b2=min(0.95, optim.MAX_BF16_BETA) if moments_dtype == "bfloat16" else 0.95,
+        b2=min(0.95, MAX_BF16_BETA) if moments_dtype == "bfloat16" else 0.95,
     )
     shards = math.prod(full.values())  # every mesh axis splits the batch
     if (batch_size // micro_batches) % shards:
@@ -349,57 +346,3 @@ def format_plan(p: Plan) -> str:
         rows.append(("fits", f"{verdict}: {_gb(p.total)} of {_gb(p.device_memory)}"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dropless plan",
-        description="Per-device memory, FLOPs and all-to-all traffic of a training step.",
-    )
-    parser.add_argument("--preset", required=True)
-    parser.add_argument("--mesh", default="", help="e.g. fsdp=16,expert=8 (default: one device)")
-    parser.add_argument("--batch-size", type=int, required=True, help="global sequences")
-    parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--micro-batches", type=int, default=1)
-    parser.add_argument("--remat", default=None, help="none | full | dots | dots_no_batch")
-    parser.add_argument("--moments-dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--offload-optimizer", action="store_true")
-    parser.add_argument("--device-memory", default=None, help="e.g. 141GB, 192GiB, bytes")
-    parser.add_argument("--recv-factor", type=float, default=None)
-    parser.add_argument("--exchange", default="ragged", choices=EXCHANGES)
-    parser.add_argument("--fsdp-gather", default="step", choices=FSDP_GATHERS)
-    parser.add_argument("--set", nargs="*", default=[], metavar="model.FIELD=VALUE")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`dropless plan ...`: prints the table; a bad setting is one line on stderr, exit 2."""
-    args = _parser().parse_args(argv)
-    try:
-        from dropless.cli import apply_overrides
-
-        config, _ = apply_overrides(get_preset(args.preset), TrainConfig(), args.set)
-        memory = None if args.device_memory is None else parse_bytes(args.device_memory)
-        p = plan(
-            config,
-            args.mesh,
-            args.batch_size,
-            args.seq_len,
-            micro_batches=args.micro_batches,
-            remat=args.remat,
-            moments_dtype=args.moments_dtype,
-            offload_optimizer=args.offload_optimizer,
-            device_memory=memory,
-            recv_factor=args.recv_factor,
-            exchange=args.exchange,
-            fsdp_gather=args.fsdp_gather,
-        )
-    except ValueError as err:
-        print(f"dropless plan: {err}", file=sys.stderr)
-        return 2
-    print(format_plan(p))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

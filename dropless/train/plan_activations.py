@@ -37,6 +37,8 @@ from jax._src.ad_checkpoint import saved_residuals
 
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.models.deepseek_v3.layers import unstack
+from dropless.train.optim import trainable_filter
+from dropless.train.step import weighted_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +72,6 @@ def activations(
     """Residual bytes of a training step's backward for `batch` sequences of `seq` tokens on
     one device, under `config.remat`; `rows` is the expert-parallel receive buffer's rows
     (None: the `batch * seq * k` copies themselves). Nothing is allocated."""
-    from dropless.train.optim import trainable_filter  # plan imports this module
-    from dropless.train.step import weighted_loss
-
     copies = batch * seq * config.num_experts_per_tok
     rows = copies if rows is None else rows
     weights = {

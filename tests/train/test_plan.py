@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from dropless.cli.plan import main
 from dropless.experts import GroupedExperts
 from dropless.models.deepseek_v3 import DeepSeekV3, count_params, get_preset
 from dropless.train import TrainConfig, init_state, train_step
-from dropless.train.plan import flops_per_token, format_plan, main, parse_bytes, plan
+from dropless.train.plan import flops_per_token, format_plan, parse_bytes, plan
 
 BATCH, SEQ = 16, 64  # TrainConfig's defaults: activations several times the state in tiny
 

@@ -1,7 +1,9 @@
 """DeepSeek-V3 (and V2) at any size: config, model, multi-token prediction, presets, counts,
-and Hugging Face checkpoints (loading, export, the parameter name mapping)."""
+decoding with MLA's latent KV cache (`generate`), and Hugging Face checkpoints (loading,
+export, the parameter name mapping)."""
 
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
+from dropless.models.deepseek_v3.generate import decode_step, generate, prefill, sample
 from dropless.models.deepseek_v3.hf import (
     dropless_names,
     from_pretrained,
@@ -9,6 +11,7 @@ from dropless.models.deepseek_v3.hf import (
     save_pretrained,
     to_hf,
 )
+from dropless.models.deepseek_v3.kv_cache import KVCache, init_cache
 from dropless.models.deepseek_v3.layers import make_block, scan_blocks, stack_blocks, unstack
 from dropless.models.deepseek_v3.model import (
     DeepSeekV3,
@@ -26,18 +29,24 @@ __all__ = [
     "PRESETS",
     "DeepSeekV3",
     "DeepSeekV3Config",
+    "KVCache",
     "MTPModule",
     "ModelFeatures",
     "ModelOutput",
     "ParamCount",
     "check_tokens",
     "count_params",
+    "decode_step",
     "dropless_names",
     "from_pretrained",
+    "generate",
     "get_preset",
     "hf_names",
+    "init_cache",
     "make_block",
     "mtp_targets",
+    "prefill",
+    "sample",
     "save_pretrained",
     "scan_blocks",
     "stack_blocks",

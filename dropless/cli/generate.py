@@ -1,0 +1,110 @@
+"""`dropless generate RUN_DIR --prompt TEXT` (or `--hf PATH`): what a model writes after a
+prompt, decoded with its tokenizer (a trained run's data tokenizer, or the tokenizer.json
+beside a Hugging Face checkpoint). A model without a tokenizer (a run on the synthetic corpus)
+takes `--prompt-ids` and prints ids. Ids that the tokenizer lacks (a model vocabulary larger
+than the tokenizer's) print as nothing."""
+
+import argparse
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from dropless.data.tokenizer import AbstractTokenizer, load_tokenizer
+from dropless.models.deepseek_v3 import DeepSeekV3, from_pretrained, generate
+from dropless.train.run_dir import TOKENIZER_FILE, load_run
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of `generate`, added to `parser`."""
+    parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run's --out-dir")
+    parser.add_argument(
+        "--hf", metavar="PATH", help="a Hugging Face checkpoint directory instead of a run"
+    )
+    parser.add_argument("--prompt", metavar="TEXT", help="the text to continue")
+    parser.add_argument(
+        "--prompt-ids", metavar="1,2,3", help="the prompt as token ids (a run with no tokenizer)"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=200, metavar="N", help="(default: %(default)s)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, metavar="T", help="0: greedy (default: 0.8)"
+    )
+    parser.add_argument("--top-k", type=int, metavar="K", help="sample from the K best tokens")
+    parser.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass")
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="the same seed, the same text"
+    )
+    parser.add_argument("--step", type=int, metavar="N", help="checkpoint (default: the latest)")
+    parser.add_argument("--num-samples", type=int, default=1, metavar="K", help="samples to draw")
+    return parser
+
+
+def _model(args) -> tuple[DeepSeekV3, AbstractTokenizer | None, bool]:
+    """(model, tokenizer, whether prompts start with the bos token) of the run or checkpoint."""
+    if (args.run_dir is None) == (args.hf is None):
+        raise ValueError("give a RUN_DIR or --hf PATH (one of them)")
+    if args.hf is None:
+        run = load_run(args.run_dir, args.step)
+        # a run's documents start without a bos token: its prompts do too
+        return run.model, run.tokenizer, False
+    if args.step is not None:
+        raise ValueError("--step is for a run's checkpoints, not --hf")
+    model, _ = from_pretrained(args.hf, mtp=False)
+    tokenizer_file = Path(args.hf) / TOKENIZER_FILE
+    tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
+    return model, tokenizer, True
+
+
+def _prompt(args, tokenizer: AbstractTokenizer | None, bos: bool) -> np.ndarray:
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3 (one of them)")
+    if args.prompt_ids is not None:
+        try:
+            return np.asarray([int(i) for i in args.prompt_ids.split(",") if i.strip()], np.int32)
+        except ValueError:
+            raise ValueError(
+                f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers"
+            ) from None
+    if tokenizer is None:
+        raise ValueError(
+            "--prompt needs a tokenizer, and this model has none (a run on the synthetic corpus, "
+            "or no tokenizer.json beside the checkpoint): give --prompt-ids 1,2,3"
+        )
+    ids = tokenizer.encode(args.prompt)
+    if bos and tokenizer.bos_id is not None:
+        ids = np.concatenate([[tokenizer.bos_id], ids]).astype(np.int32)
+    return ids
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generates as `args` say and prints each sample (text, or ids without a tokenizer)."""
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+    model, tokenizer, bos = _model(args)
+    prompt = _prompt(args, tokenizer, bos)
+    eos = None if tokenizer is None else tokenizer.eos_id
+    out = generate(
+        model,
+        np.tile(prompt, (args.num_samples, 1)),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        key=jax.random.key(args.seed),
+        eos_id=eos,
+    )
+    for i, row in enumerate(np.asarray(out)):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1} ---")
+        new = row[len(prompt) :]
+        if eos is not None and (new == eos).any():
+            new = new[: int(np.argmax(new == eos))]  # what follows the first eos is eos only
+        if tokenizer is None:
+            print(",".join(str(int(t)) for t in row[: len(prompt) + len(new)]))
+        else:
+            shown = args.prompt if args.prompt is not None else tokenizer.decode(prompt)
+            # ids past the tokenizer's (a model vocabulary padded beyond it) stand for no text
+            print(shown + tokenizer.decode(new[new < tokenizer.vocab_size]))
+    return 0

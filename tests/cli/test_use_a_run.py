@@ -1,0 +1,143 @@
+"""`dropless prepare`, `train`, `eval`, `generate` in a row, as the quick start runs them, and
+the subcommands' help and errors.
+
+One byte-level run (prepared from a small .jsonl, 2 steps of batch 4 x 32 tokens) serves the
+module; the tests that read it are slow (compiling the tiny model on a CPU)."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+
+from dropless import cli
+from dropless.data import ByteTokenizer
+from dropless.models.deepseek_v3 import save_pretrained
+from dropless.train import load_run
+
+slow = pytest.mark.slow
+WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven")
+TRAIN = [
+    "--steps", "2", "--batch-size", "4", "--seq-len", "32", "--warmup-steps", "1",
+    "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "1", "--backend", "jnp",
+    "--no-progress", "--no-compile-cache", "--no-plots",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("use")
+    rng = np.random.default_rng(0)
+    lines = [json.dumps({"text": " ".join(rng.choice(WORDS, 40)) + "."}) for _ in range(60)]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    data, run = root / "data", root / "run"
+    prepare = [str(root / "docs.jsonl"), "--out", str(data), "--eval-fraction", "0.2"]
+    assert cli.main(["prepare", *prepare, "--no-progress"]) == 0
+    files = ["--data", str(data / "train.bin"), "--eval-data", str(data / "eval.bin")]
+    assert cli.main(["train", *TRAIN, *files, "--out-dir", str(run)]) == 0
+    return run
+
+
+def one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith(f"dropless {command}: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
+    listed = [line.split()[0] for line in lines if line.startswith("  ")]
+    assert listed == ["train", "presets", "prepare", "plan", "eval", "generate"]
+    for command in ("prepare", "plan", "eval", "generate"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([command, "--help"])
+        assert exit_.value.code == 0
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: dropless {command}") and len(text.splitlines()) <= 40
+
+
+def test_unknown_commands_and_missing_arguments_are_one_line(capsys):
+    assert cli.main(["evaluate"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dropless: error: unknown command 'evaluate'") and err.count("\n") == 1
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["eval"])
+    assert exit_.value.code == 2
+    assert "RUN_DIR" in one_line_error(capsys, "eval")
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--preset", "tiny"])
+    assert "--batch-size" in one_line_error(capsys, "plan")
+
+
+def test_not_a_run_is_one_line(tmp_path, capsys):
+    assert cli.main(["eval", str(tmp_path)]) == 2
+    assert "not a run directory" in one_line_error(capsys, "eval")
+    assert cli.main(["generate", str(tmp_path), "--prompt", "x"]) == 2
+    assert "not a run directory" in one_line_error(capsys, "generate")
+    assert cli.main(["generate", "--prompt", "x"]) == 2
+    assert "RUN_DIR or --hf" in one_line_error(capsys, "generate")
+
+
+@slow
+def test_eval_prints_a_table_and_appends_to_the_metrics(run_dir, capsys):
+    before = (run_dir / "metrics.jsonl").read_text()
+    assert cli.main(["eval", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    for row in ("loss (cross-entropy)", "perplexity", "bits per byte", "step  "):
+        assert row in out, row
+    after = (run_dir / "metrics.jsonl").read_text()
+    assert after.startswith(before) and after.count("\n") == before.count("\n") + 1
+    record = json.loads(after.splitlines()[-1])
+    last_eval = [json.loads(line) for line in before.splitlines()][-1]
+    assert record["split"] == "eval_cli" and record["step"] == 2 and last_eval["split"] == "eval"
+    assert record["ce"] == pytest.approx(last_eval["ce"], rel=1e-6)
+    assert record["bits_per_byte"] > 0 and f"{record['bits_per_byte']:.4f}" in out
+
+    assert cli.main(["eval", str(run_dir), "--step", "7"]) == 2
+    assert "available steps: 1, 2" in one_line_error(capsys, "eval")
+
+
+@slow
+def test_generate_prints_text_reproducibly_per_seed(run_dir, capsys):
+    args = ["generate", str(run_dir), "--prompt", "the quick", "--max-new-tokens", "24"]
+    assert cli.main([*args, "--seed", "3"]) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("the quick") and len(first) > len("the quick\n")
+    assert cli.main([*args, "--seed", "3"]) == 0
+    assert capsys.readouterr().out == first
+    assert cli.main([*args, "--num-samples", "2", "--top-k", "5", "--top-p", "0.9"]) == 0
+    assert capsys.readouterr().out.count("--- sample ") == 2
+
+
+@slow
+def test_generate_without_a_tokenizer_takes_ids(run_dir, tmp_path, capsys):
+    synthetic = tmp_path / "synthetic"
+    shutil.copytree(run_dir, synthetic)
+    config = yaml.safe_load((synthetic / "config.yaml").read_text())
+    config["train"]["data"] = "synthetic"
+    (synthetic / "config.yaml").write_text(yaml.safe_dump(config))
+    assert cli.main(["generate", str(synthetic), "--prompt", "the"]) == 2
+    assert "--prompt-ids" in one_line_error(capsys, "generate")
+    args = ["generate", str(synthetic), "--prompt-ids", "1,2,3", "--max-new-tokens", "5"]
+    assert cli.main([*args, "--temperature", "0"]) == 0
+    ids = [int(i) for i in capsys.readouterr().out.strip().split(",")]
+    assert ids[:3] == [1, 2, 3] and len(ids) == 8
+
+
+@slow
+def test_generate_from_a_hugging_face_checkpoint(run_dir, tmp_path, capsys):
+    run = load_run(run_dir)
+    save_pretrained(run.model, run.model_config, tmp_path)
+    ByteTokenizer().save(tmp_path)
+    args = ["generate", "--hf", str(tmp_path), "--prompt", "the", "--max-new-tokens", "8"]
+    assert cli.main([*args, "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("the")
+    assert cli.main([*args, "--step", "1"]) == 2
+    assert "--step" in one_line_error(capsys, "generate")
