@@ -21,8 +21,10 @@ from collections.abc import Sequence
 from dropless._allocator import keep_freed_memory
 from dropless.backends import BackendUnavailableError
 from dropless.cli.config_file import apply_overrides, load_yaml_config
+from dropless.cli.launch import run_local
 from dropless.cli.options import MODEL_HELP, ModelOptions, PresetsCommand, TrainCommand
 from dropless.cli.parsing import parse
+from dropless.train.distributed import initialize_from_env
 from dropless.cli.run import list_presets, run_name, run_train
 
 __all__ = [
@@ -45,10 +47,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # step (the tiny preset's 200 steps: 21-24 s -> 18-21 s); no effect if JAX already runs
     keep_freed_memory(warn=False)
     try:
+        initialize_from_env()  # a process of a multi-process job joins it before JAX starts
         command = parse(args)
         if isinstance(command, PresetsCommand):
             list_presets()
             return 0
+        if command.local_processes != 1:
+            return run_local(command, args[1:])
         return run_train(command)
     except (ValueError, FileNotFoundError, BackendUnavailableError) as err:
         print(f"dropless: error: {err}", file=sys.stderr)
