@@ -24,8 +24,8 @@ from dropless.cli.config_file import apply_overrides, load_yaml_config
 from dropless.cli.launch import run_local
 from dropless.cli.options import MODEL_HELP, ModelOptions, PresetsCommand, TrainCommand
 from dropless.cli.parsing import parse
-from dropless.train.distributed import initialize_from_env
 from dropless.cli.run import list_presets, run_name, run_train
+from dropless.train.distributed import initialize_from_env
 
 __all__ = [
     "MODEL_HELP",
