@@ -27,9 +27,11 @@ from dropless._allocator import keep_freed_memory
 from dropless.backends import BackendUnavailableError
 from dropless.cli.commands import TYRO_COMMANDS, run_command
 from dropless.cli.config_file import apply_overrides, load_yaml_config
+from dropless.cli.launch import run_local
 from dropless.cli.options import MODEL_HELP, ModelOptions, PresetsCommand, TrainCommand
 from dropless.cli.parsing import parse
 from dropless.cli.run import list_presets, run_name, run_train
+from dropless.train.distributed import initialize_from_env
 
 __all__ = [
     "MODEL_HELP",
@@ -53,10 +55,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] not in TYRO_COMMANDS:
         return run_command(args)
     try:
+        initialize_from_env()  # a process of a multi-process job joins it before JAX starts
         command = parse(args)
         if isinstance(command, PresetsCommand):
             list_presets()
             return 0
+        if command.local_processes != 1:
+            return run_local(command, args[1:])
         return run_train(command)
     except (ValueError, FileNotFoundError, BackendUnavailableError) as err:
         print(f"dropless: error: {err}", file=sys.stderr)

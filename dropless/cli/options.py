@@ -123,6 +123,10 @@ class TrainCommand:
     train.lr=1e-3."""
     progress: bool = True
     """Show a progress bar (without it, only the evaluations print, a line each)."""
+    local_processes: int = 1
+    """Run as this many JAX processes on this machine (multi-host code, tried anywhere): the
+    same command in each, process 0 printing, the others logging to <out-dir>/process-<i>.log;
+    on a CPU give each devices with XLA_FLAGS=--xla_force_host_platform_device_count=N."""
     compile_cache: bool = True
     """Keep compiled steps in a persistent cache (~/.cache/dropless/jax, or
     $JAX_COMPILATION_CACHE_DIR), so later runs of the same shapes start in seconds."""

@@ -40,6 +40,9 @@ class TrainConfig:
     must equal the device count; axes left out have size 1). Parameters and optimiser state are
     sharded over it and each batch split over its devices; expert > 1 switches the MoE layers to
     the expert-parallel 'ep' backend. None (default): one device."""
+    offload_optimizer: bool = False
+    """Keep Adam's moments in pinned host memory between steps; each step moves them to the
+    device for the update and back (less device memory, more host-device traffic)."""
     seed: int = 0
     """Seed of the parameter initialisation and of the batch stream (batches depend only on
     (seed, step), so a resumed run sees the same data)."""

@@ -45,6 +45,15 @@ class AbstractDataset(abc.ABC):
     ) -> Batch:
         """The batch number `step` of `split` ("train" or "eval") for this `seed`."""
 
+    def batch_rows(
+        self, step: int, rows: slice, *, seed: int, batch_size: int, seq_len: int, split: str
+    ) -> Batch:
+        """Rows `rows` of `batch(step, ...)`: one process's share of a global batch. This
+        default draws the whole batch and keeps the rows; a dataset that can read rows alone
+        overrides it."""
+        whole = self.batch(step, seed=seed, batch_size=batch_size, seq_len=seq_len, split=split)
+        return Batch(tokens=whole.tokens[rows], language=whole.language[rows])
+
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticCorpus(AbstractDataset):
@@ -182,6 +191,22 @@ class TokenFile(AbstractDataset):
         offsets = _rng(seed, split, step).integers(start, stop - window + 1, batch_size)
         tokens = np.stack([np.asarray(self.tokens[o : o + window]) for o in offsets])
         return Batch(tokens=tokens.astype(np.int32), language=np.full((batch_size,), -1, np.int32))
+
+    def batch_rows(
+        self, step: int, rows: slice, *, seed: int, batch_size: int, seq_len: int, split: str
+    ) -> Batch:
+        """Rows `rows` of `batch(step, ...)`, reading only their windows."""
+        start, stop = self._range
+        window = seq_len + 1
+        if stop - start < window:  # the whole batch's error
+            return super().batch_rows(
+                step, rows, seed=seed, batch_size=batch_size, seq_len=seq_len, split=split
+            )
+        offsets = _rng(seed, split, step).integers(start, stop - window + 1, batch_size)[rows]
+        tokens = np.stack([np.asarray(self.tokens[o : o + window]) for o in offsets])
+        return Batch(
+            tokens=tokens.astype(np.int32), language=np.full((len(offsets),), -1, np.int32)
+        )
 
 
 def token_file_splits(

@@ -7,6 +7,7 @@ import os
 import numpy as np
 
 from dropless.models.deepseek_v3 import DeepSeekV3
+from dropless.train import distributed
 from dropless.train import metrics as metrics_lib
 from dropless.train.setup import Run
 from dropless.train.step import TrainState
@@ -83,8 +84,9 @@ def _write_summary(run: Run, results: TrainResults) -> None:
 
 def finish(run: Run, records: list[dict], eval_records: list[dict]) -> TrainResults:
     """Writes the plots (unless `TrainConfig.plots` is off) and `summary.json`, calls every
-    callback's `on_end`, and returns the results of this call's `records` and `eval_records`."""
-    if run.train_config.plots:
+    callback's `on_end`, and returns the results of this call's `records` and `eval_records`.
+    In a multi-process job, process 0 alone writes."""
+    if run.train_config.plots and distributed.is_main():
         _plot(run)
     results = TrainResults(
         state=run.state,
@@ -95,7 +97,8 @@ def finish(run: Run, records: list[dict], eval_records: list[dict]) -> TrainResu
         layer_names=run.layer_names,
         earlier_records=run.writer.kept,
     )
-    _write_summary(run, results)
+    if distributed.is_main():
+        _write_summary(run, results)
     for callback in run.callbacks:
         callback.on_end(results)
     return results

@@ -25,8 +25,8 @@ from jax.sharding import Mesh
 from dropless import sharding
 from dropless.backends import Backend
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
+from dropless.train import distributed, offload, setup
 from dropless.train import metrics as metrics_lib
-from dropless.train import setup
 from dropless.train.checkpoint import Checkpointer
 from dropless.train.config import TrainConfig
 from dropless.train.data import AbstractDataset
@@ -70,7 +70,7 @@ def evaluate(
     micro = train_config.micro_batches
     sums = dict.fromkeys(_EVAL_SCALARS, 0.0)
     for i in range(train_config.eval_batches):
-        tokens = setup.batch(dataset, i, train_config, "eval").tokens
+        tokens = distributed.read_batch(dataset, i, train_config, "eval", mesh)
         setup.check_batch(tokens, model.config)
         if mesh is None:
             out = eval_step(model, jnp.asarray(tokens), weights, micro)
@@ -125,10 +125,12 @@ def _save(run: Run, step: int) -> None:
 def _train_step(run: Run, step: int) -> dict:
     """Runs step `step` (0-based) on `run.state`; returns its metrics record."""
     config = run.train_config
-    tokens = setup.batch(run.train_data, step, config, "train").tokens
+    tokens = distributed.read_batch(run.train_data, step, config, "train", run.mesh)
     setup.check_batch(tokens, run.model_config)
     began = time.perf_counter()
-    if run.mesh is None:
+    if config.offload_optimizer:
+        run.state, metrics = offload.train_step(run.mesh, run.state, tokens, config.micro_batches)
+    elif run.mesh is None:
         run.state, metrics = train_step(run.state, jnp.asarray(tokens), config.micro_batches)
     else:
         tokens = sharding.shard_batch(tokens, run.mesh)

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from dropless.backends import Backend, get_backend, resolve_backend_name
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
 from dropless.models.deepseek_v3.config import DROPLESS_FIELDS
+from dropless.train import distributed, offload
 from dropless.train import metrics as metrics_lib
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.config import TrainConfig
@@ -250,7 +251,10 @@ def start(
     callbacks: Sequence[metrics_lib.Callback],
 ) -> Run:
     """Checks the settings, then builds (or restores) the state and opens the output files;
-    calls every callback's `on_start`. `backend` is resolved here, once (`get_backend`)."""
+    calls every callback's `on_start`. `backend` is resolved here, once (`get_backend`).
+    In a multi-process job (`distributed.initialize_from_env`) only process 0 writes files and
+    runs the callbacks."""
+    distributed.initialize_from_env()
     validate(model_config, train_config)
     moe_backend = get_backend(backend)  # one that cannot load fails before anything is written
     name = backend if isinstance(backend, str) else CUSTOM_BACKEND
@@ -266,11 +270,16 @@ def start(
     if mesh is not None:
         state = shard_state(state, mesh)  # the resumed config's numbers, replicated
 
+    if train_config.offload_optimizer:
+        state = offload.to_host(state)
     run_config = config_dict(model_config, train_config, name)
-    with open(files["config"], "w") as f:
-        yaml.safe_dump(run_config, f, sort_keys=False)
+    if distributed.is_main():
+        with open(files["config"], "w") as f:
+            yaml.safe_dump(run_config, f, sort_keys=False)
+    else:
+        callbacks = []
     keep_until = int(state.step) if train_config.resume else None
-    writer = metrics_lib.MetricsWriter(files["metrics"], keep_until=keep_until)
+    writer = distributed.metrics_writer(files["metrics"], keep_until=keep_until)
     info = _info(state, train_config, out_dir, name, mesh)
     callbacks = _with_tensorboard(callbacks, train_config, out_dir)
     for callback in callbacks:
