@@ -1,6 +1,6 @@
 """The `dropless` command (also `python -m dropless`): a thin layer from options to `train`.
 
-    dropless train                                   # tiny preset, synthetic corpus, CPU, ~2 min
+    dropless train                                   # tiny preset, stdlib text, CPU, ~2 min
     dropless train --preset small --steps 2000 --backend jnp --out-dir runs/small
     dropless train --config runs/small/config.yaml --model.n-routed-experts 32
     dropless train --set model.n_routed_experts=32 train.lr=1e-3
@@ -22,7 +22,7 @@ from dropless._allocator import keep_freed_memory
 from dropless.backends import BackendUnavailableError
 from dropless.cli.config_file import apply_overrides, load_yaml_config
 from dropless.cli.options import MODEL_HELP, ModelOptions, PresetsCommand, TrainCommand
-from dropless.cli.parsing import parse
+from dropless.cli.parsing import parse, vocab_given
 from dropless.cli.run import list_presets, run_name, run_train
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "main",
     "parse",
     "run_name",
+    "vocab_given",
 ]
 
 
@@ -49,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(command, PresetsCommand):
             list_presets()
             return 0
-        return run_train(command)
+        return run_train(command, vocab_given=vocab_given(command, args))
     except (ValueError, FileNotFoundError, BackendUnavailableError) as err:
         print(f"dropless: error: {err}", file=sys.stderr)
         return 2

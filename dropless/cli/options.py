@@ -97,9 +97,10 @@ def from_options(options: Any) -> DeepSeekV3Config:
 
 @dataclasses.dataclass(frozen=True)
 class TrainCommand:
-    """Train a DeepSeek-V3-shaped MoE. Without options: the `tiny` preset on the built-in
-    synthetic corpus, on CPU, in about a minute; prints where results went (metrics JSONL,
-    plots, checkpoints)."""
+    """Train a DeepSeek-V3-shaped MoE. Without options: the `tiny` preset on real text (the
+    Python standard library's source and docs, byte-level), on CPU, in a couple of minutes;
+    prints where results went (metrics JSONL, plots, checkpoints), tokens/s and a sample of
+    what the model writes."""
 
     model: ModelOptions  # type: ignore[valid-type]
     """Model architecture (Hugging Face DeepSeek-V3 field names); defaults come from --preset
@@ -123,6 +124,9 @@ class TrainCommand:
     train.lr=1e-3."""
     progress: bool = True
     """Show a progress bar (without it, only the evaluations print, a line each)."""
+    sample: bool = True
+    """At the end, print a short sample of what the model writes (a prompt from the eval split,
+    continued at temperature 0.8), when the data has a tokenizer and the run used no mesh."""
     compile_cache: bool = True
     """Keep compiled steps in a persistent cache (~/.cache/dropless/jax, or
     $JAX_COMPILATION_CACHE_DIR), so later runs of the same shapes start in seconds."""
