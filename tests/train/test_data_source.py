@@ -78,6 +78,7 @@ def test_the_tokenizer_sets_the_vocabulary_unless_given(prepared):
     assert fit_vocab(small, synthetic, given=False) == small  # no tokenizer: as it is
 
 
+@pytest.mark.slow  # compiles a step of its own (vocabulary 258)
 def test_training_on_a_prepared_directory_records_it(prepared, tmp_path):
     config = TrainConfig(
         data=str(prepared),
