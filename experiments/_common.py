@@ -21,6 +21,7 @@ import optax  # noqa: E402
 
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset, scan_blocks, unstack  # noqa: E402
 from dropless.train import TrainConfig  # noqa: E402
+from dropless.train.data_source import fit_vocab, open_data  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -39,9 +40,26 @@ def parser(name: str, doc: str, *, steps: int | None) -> argparse.ArgumentParser
     return p
 
 
+def add_data_option(p: argparse.ArgumentParser) -> None:
+    """--data: 'synthetic' (the default: the built-in Markov corpus), 'stdlib' (real text, the
+    Python standard library byte-level) or a directory made by `dropless prepare`."""
+    p.add_argument(
+        "--data",
+        default="synthetic",
+        help="'synthetic' (default), 'stdlib' (real text) or a prepared data directory",
+    )
+
+
+def fit_to_data(config, train: TrainConfig):
+    """`config` with the vocabulary of the data's tokenizer (as `dropless train` sets it)."""
+    return fit_vocab(config, open_data(train, config.vocab_size), given=False)
+
+
 def train_config(args, **changes) -> TrainConfig:
-    """A short run: no periodic eval/checkpoints/plots (train() still evaluates and saves once)."""
+    """A short run: no periodic eval/checkpoints/plots (train() still evaluates and saves once),
+    on `args.data` where the experiment takes --data, else on the synthetic corpus."""
     base = dict(
+        data=getattr(args, "data", "synthetic"),
         steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,

@@ -3,8 +3,11 @@
 (routed parameters) stay equal; report loss at a fixed number of tokens and the step time.
 
     python experiments/expert_granularity.py [--size tiny|small] [--steps N] [--sweep 8/2 16/4]
+        [--data synthetic|stdlib|DIR]
 
 Routing is ungrouped (n_group=1) so that every setting chooses top-k among all its experts.
+Trains on the built-in synthetic corpus, or with `--data` on real text (the model's vocabulary
+then the tokenizer's).
 """
 
 import pathlib
@@ -15,6 +18,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from _common import (  # noqa: E402
+    add_data_option,
+    fit_to_data,
     machine,
     model_config,
     parser,
@@ -31,9 +36,10 @@ from dropless.train import train  # noqa: E402
 def main(argv=None) -> list[dict]:
     p = parser("expert_granularity", __doc__, steps=150)
     p.add_argument("--sweep", nargs="+", default=["8/2", "16/4", "32/8"], help="experts/top-k")
+    add_data_option(p)
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
-    base = model_config(args)
+    base = fit_to_data(model_config(args), train_config(args))
     sweep = [(setting, tuple(int(v) for v in setting.split("/"))) for setting in args.sweep]
     # active expert width of the first setting, kept for all of them
     e0, k0 = sweep[0][1]
@@ -81,12 +87,14 @@ def main(argv=None) -> list[dict]:
             )
         )
     meta = dict(machine=machine(), size=args.size, steps=args.steps, active_width=width)
+    meta["data"] = args.data
     write_results(out, "expert_granularity", rows, {**meta, "curves": curves})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     n = max(1, args.steps // 20)
     for setting, ce in curves.items():
         axes[0].plot(*smoothed(ce, n), label=setting)
-    axes[0].set(xlabel="step", ylabel="train cross-entropy (nats)", title="loss (experts/top-k)")
+    title = f"loss (experts/top-k), {args.data} data"
+    axes[0].set(xlabel="step", ylabel="train cross-entropy (nats)", title=title)
     axes[0].legend()
     labels = [f"{r['experts']}/{r['top_k']}" for r in rows]
     axes[1].bar(labels, [r["step_ms"] for r in rows])

@@ -2,8 +2,10 @@
 (vs bias + the small sequence-wise loss DeepSeek-V3 uses), same model, data and seed.
 
     python experiments/load_balance.py [--size tiny|small] [--steps N] [--aux C] [--rate R]
+        [--data synthetic|stdlib|DIR]
 
-Each variant is one `dropless.train.train` run on the built-in synthetic corpus. Reported per
+Each variant is one `dropless.train.train` run on the built-in synthetic corpus, or with
+`--data` on real text (the model's vocabulary then the tokenizer's). Reported per
 variant: cross-entropy (train, mean of the last 10% of steps; held-out at the end) and MaxVio
 (max over experts of load / mean load - 1, averaged over MoE layers incl. MTP) over training.
 """
@@ -16,6 +18,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from _common import (  # noqa: E402
+    add_data_option,
+    fit_to_data,
     machine,
     model_config,
     parser,
@@ -46,9 +50,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument(
         "--only", nargs="*", default=None, choices=list(variants(0, 0)), help="run only these"
     )
+    add_data_option(p)
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
-    mc = model_config(args)
+    mc = fit_to_data(model_config(args), train_config(args))
     rows, curves = [], {}
     for name, changes in variants(args.aux, args.rate).items():
         if args.only and name not in args.only:
@@ -72,6 +77,7 @@ def main(argv=None) -> list[dict]:
             )
         )
     meta = dict(machine=machine(), size=args.size, steps=args.steps, aux=args.aux, rate=args.rate)
+    meta["data"] = args.data
     write_results(out, "load_balance", rows, {**meta, "curves": curves})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     window = max(1, args.steps // 20)
@@ -83,7 +89,7 @@ def main(argv=None) -> list[dict]:
     axes[1].set_yscale("log")
     for ax in axes:
         ax.legend()
-    fig.suptitle(f"{args.size}, {args.steps} steps, smoothed over {window}")
+    fig.suptitle(f"{args.size} on {args.data} data, {args.steps} steps, smoothed over {window}")
     fig.tight_layout()
     fig.savefig(out / "load_balance.png", dpi=80)
     plt.close(fig)

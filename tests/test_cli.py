@@ -29,7 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(dropless.__file__)))
 SMALL_RUN = [
     "--steps", "6", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "2",
     "--eval-every", "3", "--eval-batches", "1", "--checkpoint-every", "3",
-    "--backend", "jnp", "--no-progress", "--no-compile-cache",
+    "--backend", "jnp", "--no-progress", "--no-compile-cache", "--data", "synthetic",
 ]  # fmt: skip
 
 
@@ -73,7 +73,60 @@ def test_train_end_to_end(tmp_path, capsys):
     assert model == get_preset("tiny") and train_config.steps == 6
     assert command.backend == "jnp"
     assert cli.run_name(command, resume=False) == "run"
-    assert json.loads((out / "summary.json").read_text())["backend"] == "jnp"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["backend"] == "jnp"
+    # throughput: tokens/s in every record and the summary; MFU only with a known peak
+    assert summary["tokens_per_s"] > 0 and "mfu" in summary
+    assert all("mfu" in r for r in train)
+    assert "tokens/s, MFU" in printed
+    assert summary["data"]["source"] == "synthetic"
+    assert "Sample" not in printed  # the synthetic corpus has no tokenizer
+
+
+@pytest.mark.slow
+def test_default_trains_on_stdlib_text_and_prints_a_sample(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = [
+        "train", "--steps", "2", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "1",
+        "--eval-batches", "1", "--backend", "jnp", "--no-progress", "--no-compile-cache",
+        "--no-plots", "--out-dir", str(out),
+    ]  # fmt: skip
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "on the Python stdlib corpus (byte" in printed
+    assert "tokens/s, MFU" in printed
+    sample = printed.split("--no-sample turns this off):\n", 1)[1]
+    assert sample.startswith("[") and "]" in sample
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["model"]["vocab_size"] == 258  # the byte tokenizer's, not the preset's 512
+    assert config["train"]["data"] == "stdlib"
+    assert config["data"]["source"] == "stdlib" and len(config["data"]["meta_sha256"]) == 64
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data"] == config["data"] and summary["tokens_per_s"] > 0
+    # the run's config.yaml reads back (its data section is a record, not a setting), and
+    # its vocabulary counts as given
+    command = cli.parse(["train", "--config", str(out / "config.yaml")])
+    assert command.configs()[0].vocab_size == 258
+    assert cli.vocab_given(command, ["--config", str(out / "config.yaml")])
+
+
+def test_the_vocabulary_comes_from_the_data_unless_given(tmp_path, capsys):
+    for args, given in [
+        ([], False),
+        (["--model.vocab-size", "300"], True),
+        (["--model.vocab_size=300"], True),
+        (["--set", "model.vocab_size=300"], True),
+        (["--set", "train.lr=1e-3"], False),
+    ]:
+        assert cli.vocab_given(cli.parse(["train", *args]), args) is given, args
+    assert not cli.parse(["train", "--no-sample"]).sample
+    # a vocabulary smaller than the tokenizer's: one line naming both, nothing written
+    out = tmp_path / "run"
+    args = ["train", "--model.vocab-size", "200", "--no-progress", "--out-dir", str(out)]
+    assert cli.main([*args, "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dropless: error: ") and "vocab_size = 200" in err and "(258)" in err
+    assert not out.exists()
 
 
 def test_resume_continues_the_run_with_its_own_config(tmp_path, capsys):

@@ -54,6 +54,18 @@ def test_experiment_runs(name, tmp_path):
     assert rows == json.loads(json.dumps(returned))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["load_balance", "expert_granularity"])
+def test_experiment_runs_on_real_text(name, tmp_path):
+    argv = [*SMALL, "--data", "stdlib", *CASES[name][0][len(SMALL) :][:2], "--out", str(tmp_path)]
+    load(name).main(argv)
+    check_outputs(tmp_path, name, 1)
+    meta = json.loads((tmp_path / f"{name}.json").read_text())["meta"]
+    assert meta["data"] == "stdlib"
+    config = (next(tmp_path.glob("*/config.yaml"))).read_text()
+    assert "vocab_size: 258" in config and "source: stdlib" in config
+
+
 def test_capacity_layer_without_drops_equals_dropless():
     import jax
     import numpy as np

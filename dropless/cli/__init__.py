@@ -1,6 +1,6 @@
 """The `dropless` command (also `python -m dropless`): a thin layer from options to `train`.
 
-    dropless train                                   # tiny preset, synthetic corpus, CPU, ~2 min
+    dropless train                                   # tiny preset, stdlib text, CPU, ~2 min
     dropless train --preset small --steps 2000 --backend jnp --out-dir runs/small
     dropless train --config runs/small/config.yaml --model.n-routed-experts 32
     dropless train --set model.n_routed_experts=32 train.lr=1e-3
@@ -29,7 +29,7 @@ from dropless.cli.commands import TYRO_COMMANDS, run_command
 from dropless.cli.config_file import apply_overrides, load_yaml_config
 from dropless.cli.launch import run_local
 from dropless.cli.options import MODEL_HELP, ModelOptions, PresetsCommand, TrainCommand
-from dropless.cli.parsing import parse
+from dropless.cli.parsing import parse, vocab_given
 from dropless.cli.run import list_presets, run_name, run_train
 from dropless.train.distributed import initialize_from_env
 
@@ -43,6 +43,7 @@ __all__ = [
     "main",
     "parse",
     "run_name",
+    "vocab_given",
 ]
 
 
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if command.local_processes != 1:
             return run_local(command, args[1:])
-        return run_train(command)
+        return run_train(command, vocab_given=vocab_given(command, args))
     except (ValueError, FileNotFoundError, BackendUnavailableError) as err:
         print(f"dropless: error: {err}", file=sys.stderr)
         return 2

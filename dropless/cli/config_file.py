@@ -11,7 +11,9 @@ import yaml
 from dropless.models.deepseek_v3 import DeepSeekV3Config
 from dropless.train.config import TrainConfig
 
-SECTIONS = ("preset", "backend", "model", "train")
+# `data` records what a run read (`DataSource.record`): written into config.yaml, not read back
+# (`train.data` says what to read).
+SECTIONS = ("preset", "backend", "model", "train", "data")
 
 
 def parse_yaml(text, where: str):

@@ -97,9 +97,10 @@ def from_options(options: Any) -> DeepSeekV3Config:
 
 @dataclasses.dataclass(frozen=True)
 class TrainCommand:
-    """Train a DeepSeek-V3-shaped MoE. Without options: the `tiny` preset on the built-in
-    synthetic corpus, on CPU, in about a minute; prints where results went (metrics JSONL,
-    plots, checkpoints)."""
+    """Train a DeepSeek-V3-shaped MoE. Without options: the `tiny` preset on real text (the
+    Python standard library's source and docs, byte-level), on CPU, in a couple of minutes;
+    prints where results went (metrics JSONL, plots, checkpoints), tokens/s and a sample of
+    what the model writes."""
 
     model: ModelOptions  # type: ignore[valid-type]
     """Model architecture (Hugging Face DeepSeek-V3 field names); defaults come from --preset
@@ -127,6 +128,9 @@ class TrainCommand:
     """Run as this many JAX processes on this machine (multi-host code, tried anywhere): the
     same command in each, process 0 printing, the others logging to <out-dir>/process-<i>.log;
     on a CPU give each devices with XLA_FLAGS=--xla_force_host_platform_device_count=N."""
+    sample: bool = True
+    """At the end, print a short sample of what the model writes (a prompt from the eval split,
+    continued at temperature 0.8), when the data has a tokenizer and the run used no mesh."""
     compile_cache: bool = True
     """Keep compiled steps in a persistent cache (~/.cache/dropless/jax, or
     $JAX_COMPILATION_CACHE_DIR), so later runs of the same shapes start in seconds."""

@@ -82,6 +82,21 @@ def parse(args: Sequence[str]) -> TrainCommand | PresetsCommand:
     return parse([*args, "--config", resumed]) if resumed else command
 
 
+def vocab_given(command: TrainCommand, args: Sequence[str]) -> bool:
+    """Whether the user gave the model's vocabulary size (`--model.vocab-size`, `--set
+    model.vocab_size=`, or a `--config` file's model section, a resumed run's included); if
+    not, the data's tokenizer sets it."""
+    flags = ("--model.vocab-size", "--model.vocab_size")
+    sets = ("model.vocab_size=", "model.vocab-size=")
+    if any(a.split("=", 1)[0] in flags for a in args) or any(
+        s.strip().startswith(sets) for s in command.set
+    ):
+        return True
+    return bool(command.config) and "vocab_size" in (
+        load_yaml_config(command.config).get("model") or {}
+    )
+
+
 def _resumed_config(command: TrainCommand | PresetsCommand) -> str | None:
     """The config.yaml of the run that `command` resumes, when no `--config` was given: the run
     goes on with its own model and settings (the flags and `--set` still override them)."""

@@ -10,8 +10,14 @@ from dropless.cli.options import TrainCommand
 from dropless.models.deepseek_v3 import PRESETS, count_params, get_preset
 from dropless.train.checkpoint import CheckpointError
 from dropless.train.compile_cache import enable_compile_cache
+from dropless.train.data_source import DataSource, fit_vocab, open_data
 from dropless.train.loop import TrainingDiverged, train
 from dropless.train.metrics import EvalLines, ProgressBar
+from dropless.train.sample import eval_prompt, sample
+
+SAMPLE_PROMPT_TOKENS = 24
+SAMPLE_NEW_TOKENS = 160
+SAMPLE_TEMPERATURE = 0.8
 
 
 def list_presets() -> None:
@@ -36,6 +42,13 @@ def _describe(results, elapsed: float) -> str:
         lines.append(
             f"  eval loss {final['loss']:.4f} (cross-entropy {final['ce']:.4f}, "
             f"MaxVio {final['max_vio']:.3f}) at step {final['step']}"
+        )
+    rate = results.throughput
+    if rate["tokens_per_s"] is not None:
+        mfu = "n/a (no known peak FLOP/s here)" if rate["mfu"] is None else f"{rate['mfu']:.1%}"
+        lines.append(
+            f"  throughput   {rate['tokens_per_s']:,.0f} tokens/s, MFU {mfu} "
+            "(medians over the steps after the first)"
         )
     lines.append(f"  metrics      {files['metrics']}")
     lines.append(f"  config       {files['config']}")
@@ -66,19 +79,50 @@ def _backend_label(backend: str) -> str:
     return backend if resolved == backend else f"{backend} ({resolved})"
 
 
-def run_train(command: TrainCommand) -> int:
+def _data_label(data: DataSource) -> str:
+    record = data.record
+    if record["source"] == "synthetic":
+        return "the synthetic corpus"
+    if record["source"] == "stdlib":
+        tokens = record["train_tokens"]
+        return f"the Python stdlib corpus ({record['tokenizer']}, {tokens:,} tokens)"
+    return record["path"]
+
+
+def _print_sample(results, data: DataSource) -> None:
+    prompt = eval_prompt(data.eval, SAMPLE_PROMPT_TOKENS)
+    if prompt is None or data.tokenizer is None:
+        return
+    out = sample(
+        results.model,
+        data.tokenizer,
+        prompt,
+        max_new_tokens=SAMPLE_NEW_TOKENS,
+        temperature=SAMPLE_TEMPERATURE,
+    )
+    print(
+        f"Sample (the eval split's first {len(prompt)} tokens in [brackets], then what the "
+        f"model writes at temperature {SAMPLE_TEMPERATURE}; --no-sample turns this off):"
+    )
+    print(f"[{out.prompt}]{out.text}")
+
+
+def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
+    """Runs `dropless train`. Unless `vocab_given`, the data's tokenizer sets the model's
+    vocabulary size."""
     model, train_config = command.configs()
     if train_config.resume and command.out_dir is None:
         raise ValueError("--resume needs --out-dir (the directory of the run to continue)")
+    data = open_data(train_config, model.vocab_size, progress=command.progress)
+    model = fit_vocab(model, data, given=vocab_given)
     name = run_name(command, train_config.resume)
     out_dir = command.out_dir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if command.compile_cache:
         enable_compile_cache()
-    data = "the synthetic corpus" if train_config.data == "synthetic" else train_config.data
     verb = "resuming" if train_config.resume else "training"
     mesh = f", mesh {train_config.mesh}" if train_config.mesh else ""
     print(
-        f"dropless: {verb} '{name}' on {data} for {train_config.steps} "
+        f"dropless: {verb} '{name}' on {_data_label(data)} for {train_config.steps} "
         f"step{'s' if train_config.steps != 1 else ''} "
         f"(batch {train_config.batch_size} x {train_config.seq_len} tokens, backend "
         f"{_backend_label(command.backend)}{mesh}) -> {out_dir}",
@@ -107,5 +151,9 @@ def run_train(command: TrainCommand) -> int:
             file=sys.stderr,
         )
         return 130
-    print(_describe(results, time.perf_counter() - began))
+    print(_describe(results, time.perf_counter() - began), flush=True)
+    # a mesh run's model routes through its expert-parallel layers, which decode only inside
+    # the mesh's shard_map: no sample there
+    if command.sample and not train_config.mesh:
+        _print_sample(results, data)
     return 0

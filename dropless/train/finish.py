@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from dropless.models.deepseek_v3 import DeepSeekV3
-from dropless.train import distributed
+from dropless.train import distributed, throughput
 from dropless.train import metrics as metrics_lib
 from dropless.train.setup import Run
 from dropless.train.step import TrainState
@@ -52,6 +52,12 @@ class TrainResults:
         return last_record(self.earlier_records + self.eval_records, "eval")
 
     @property
+    def throughput(self) -> dict:
+        """Median tokens/s and MFU (None where the peak is unknown) over this call's steps
+        after its first (`dropless.train.throughput.summary`)."""
+        return throughput.summary(self.records)
+
+    @property
     def expert_load(self) -> np.ndarray:
         """Tokens routed to each expert of each MoE layer, summed over the run [layers experts]."""
         return np.asarray(self.state.expert_load)
@@ -72,6 +78,8 @@ def _write_summary(run: Run, results: TrainResults) -> None:
     summary = {
         "steps": run.train_config.steps,
         "backend": run.info["backend_resolved"],
+        **results.throughput,
+        "data": None if run.data is None else run.data.record,
         "final_train": last_record(results.earlier_records + results.records, "train"),
         "final_eval": results.final_eval,
         "layer_names": run.layer_names,

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from dropless import sharding
 from dropless.backends import Backend
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
-from dropless.train import distributed, offload, setup
+from dropless.train import distributed, offload, setup, throughput
 from dropless.train import metrics as metrics_lib
 from dropless.train.checkpoint import Checkpointer
 from dropless.train.config import TrainConfig
@@ -34,6 +34,7 @@ from dropless.train.finish import TrainResults, finish
 from dropless.train.setup import Run
 from dropless.train.sharded import sharded_eval_step, sharded_train_step
 from dropless.train.step import eval_step, hparams, train_step
+from dropless.train.throughput import Throughput
 
 _SCALARS = (
     "loss",
@@ -122,8 +123,9 @@ def _save(run: Run, step: int) -> None:
         callback.on_checkpoint(step, os.path.join(run.files["checkpoints"], str(step)))
 
 
-def _train_step(run: Run, step: int) -> dict:
-    """Runs step `step` (0-based) on `run.state`; returns its metrics record."""
+def _train_step(run: Run, step: int, meter: Throughput) -> dict:
+    """Runs step `step` (0-based) on `run.state`; returns its metrics record (tokens/s and MFU
+    over the open interval of `meter`)."""
     config = run.train_config
     tokens = distributed.read_batch(run.train_data, step, config, "train", run.mesh)
     setup.check_batch(tokens, run.model_config)
@@ -140,20 +142,22 @@ def _train_step(run: Run, step: int) -> dict:
     if not all(math.isfinite(record[name]) for name in _WATCHED):
         run.checkpointer.wait()
         raise _diverged(record, step + 1, run.checkpointer)
-    tokens_per_s = config.batch_size * config.seq_len / elapsed
+    tokens_per_s, mfu = meter.lap()
     return {
         "split": "train",
         "step": step + 1,
         **record,
         "step_time": elapsed,
         "tokens_per_s": tokens_per_s,
+        "mfu": mfu,
     }
 
 
-def _after_step(run: Run, record: dict, eval_records: list[dict]) -> None:
+def _after_step(run: Run, record: dict, eval_records: list[dict], meter: Throughput) -> None:
     """Logs a step's record, then saves and evaluates when due."""
     config, done = run.train_config, record["step"]
-    if done % config.log_every == 0 or done == config.steps:
+    logged = done % config.log_every == 0 or done == config.steps
+    if logged:
         run.writer.write(record)
     for callback in run.callbacks:
         callback.on_step(record)
@@ -162,6 +166,8 @@ def _after_step(run: Run, record: dict, eval_records: list[dict]) -> None:
         _save(run, done)
     if config.eval_every and done % config.eval_every == 0:
         _run_eval(run, done, eval_records)
+    if logged:
+        meter.mark()  # the next interval starts after this one's saving and evaluating
 
 
 def run_steps(run: Run) -> tuple[list[dict], list[dict]]:
@@ -175,9 +181,13 @@ def run_steps(run: Run) -> tuple[list[dict], list[dict]]:
         every = config.eval_every
         if start and every and start % every == 0 and not _evaluated(run, start, eval_records):
             _run_eval(run, start, eval_records)  # saved before its evaluation, which did not end
+        devices = 1 if run.mesh is None else run.mesh.size
+        meter = throughput.meter(run.model_config, config, devices)
         for step in range(start, config.steps):
-            records.append(_train_step(run, step))
-            _after_step(run, records[-1], eval_records)
+            records.append(_train_step(run, step, meter))
+            if step == start:
+                meter.mark()  # the first step compiles: an interval of its own
+            _after_step(run, records[-1], eval_records, meter)
         if run.checkpointer.latest_step() != config.steps:
             _save(run, config.steps)
         if not _evaluated(run, config.steps, eval_records):

@@ -3,8 +3,9 @@ TensorBoard).
 
 Each line of `metrics.jsonl` is one record; training records have `"split": "train"` and
 carry step, loss, ce, mtp, balance_loss, seq_balance_loss, z_loss, max_vio, dropped,
-grad_norm, update_norm, lr, max_vio_layers (one per MoE layer), tokens_per_s, step_time;
-evaluation records have `"split": "eval"`.
+grad_norm, update_norm, lr, max_vio_layers (one per MoE layer), step_time, tokens_per_s and
+mfu (`dropless.train.throughput`; null where the device's peak is unknown); evaluation records
+have `"split": "eval"`.
 """
 
 import json
@@ -147,7 +148,8 @@ class EvalLines(Callback):
 
 
 class ProgressBar(Callback):
-    """A tqdm progress bar with loss, MaxVio and throughput; eval results as lines."""
+    """A tqdm progress bar with loss, MaxVio, tokens/s and MFU (where known); eval results as
+    lines."""
 
     def __init__(self, **tqdm_kwargs):
         self._kwargs = tqdm_kwargs
@@ -161,12 +163,14 @@ class ProgressBar(Callback):
         )
 
     def on_step(self, record: dict) -> None:
-        self._bar.set_postfix(
-            loss=f"{record['loss']:.3f}",
-            max_vio=f"{record['max_vio']:.2f}",
-            tok_s=f"{record['tokens_per_s']:.0f}",
-            refresh=False,
-        )
+        postfix = {
+            "loss": f"{record['loss']:.3f}",
+            "max_vio": f"{record['max_vio']:.2f}",
+            "tok/s": f"{record['tokens_per_s']:.0f}",
+        }
+        if record.get("mfu") is not None:
+            postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
+        self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(record["step"] - self._bar.n)
 
     def on_eval(self, record: dict) -> None:

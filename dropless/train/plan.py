@@ -39,8 +39,9 @@ def flops_per_token(config: DeepSeekV3Config, seq: int) -> float:
     """Model FLOPs per trained token, as the experiments count them: 6 x (active matmul
     parameters: active params without the input embedding, plus the MTP modules' active params
     and their pass through the shared head) + attention (QK^T and AV, 2 * seq * heads *
-    (qk_head_dim + v_head_dim) per token per layer forward, causal mask not discounted, times 3
-    for forward + backward)."""
+    (qk_head_dim + v_head_dim) per token per layer forward, times 3 for forward + backward;
+    causal mask not discounted: every query counts all `seq` keys, as PaLM's MFU does). The
+    one count behind `dropless plan`, the experiments and `dropless.train.throughput`'s MFU."""
     counts = count_params(config)
     depth = config.num_nextn_predict_layers
     head = counts.head or counts.embedding  # a tied head reuses the embedding matrix

@@ -22,7 +22,8 @@ from dropless.train import distributed, offload
 from dropless.train import metrics as metrics_lib
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.config import TrainConfig
-from dropless.train.data import AbstractDataset, Batch, SyntheticCorpus, token_file_splits
+from dropless.train.data import AbstractDataset, Batch
+from dropless.train.data_source import DataSource, check_vocab, open_data
 from dropless.train.sharded import prepare_model, resolve_mesh, shard_state
 from dropless.train.step import TrainState, init_state, moe_layer_names, with_config
 
@@ -56,33 +57,34 @@ class Run:
     meta: dict  # saved with every checkpoint
     info: dict  # what `Callback.on_start` receives
     layer_names: list[str]  # rows of `expert_load` / `max_vio_layers`
+    data: DataSource | None = None  # what `train_config.data` opened to (its tokenizer, record)
 
 
 def make_datasets(
     train_config: TrainConfig, vocab_size: int
 ) -> tuple[AbstractDataset, AbstractDataset]:
-    """(train, eval) datasets for `train_config.data`: the synthetic corpus or a token file."""
-    if train_config.data == "synthetic":
-        corpus = SyntheticCorpus(
-            vocab_size, n_languages=train_config.n_languages, corpus_seed=train_config.corpus_seed
-        )
-        return corpus, corpus
-    return token_file_splits(
-        train_config.data,
-        train_config.data_dtype,
-        eval_path=train_config.eval_data,
-        eval_fraction=train_config.eval_fraction,
-    )
+    """(train, eval) datasets for `train_config.data` (see `dropless.train.data_source`)."""
+    source = open_data(train_config, vocab_size)
+    return source.train, source.eval
 
 
-def config_dict(model_config: DeepSeekV3Config, train_config: TrainConfig, backend: str) -> dict:
+def config_dict(
+    model_config: DeepSeekV3Config,
+    train_config: TrainConfig,
+    backend: str,
+    data: dict | None = None,
+) -> dict:
     """The YAML/JSON form of a run's configuration (what `dropless train --config` reads).
-    `resume` is left out (written as false): rerunning a config starts a fresh run."""
-    return {
+    `resume` is left out (written as false): rerunning a config starts a fresh run. `data`:
+    the record of the data read (`DataSource.record`), written for the reader only."""
+    out = {
         "backend": backend,
         "model": dataclasses.asdict(model_config),
         "train": dataclasses.asdict(dataclasses.replace(train_config, resume=False)),
     }
+    if data is not None:
+        out["data"] = data
+    return out
 
 
 def batch(dataset: AbstractDataset, step: int, train_config: TrainConfig, split: str) -> Batch:
@@ -260,7 +262,9 @@ def start(
     name = backend if isinstance(backend, str) else CUSTOM_BACKEND
     mesh = resolve_mesh(train_config.mesh, model_config, train_config)
     _check_backend_fits_mesh(name, moe_backend, mesh)
-    datasets = make_datasets(train_config, model_config.vocab_size)
+    data = open_data(train_config, model_config.vocab_size)
+    check_vocab(model_config, data)
+    datasets = (data.train, data.eval)
     _check_data(datasets, model_config, train_config)
     out_dir = os.path.abspath(out_dir)
     files = _output_files(out_dir)
@@ -272,7 +276,7 @@ def start(
 
     if train_config.offload_optimizer:
         state = offload.to_host(state)
-    run_config = config_dict(model_config, train_config, name)
+    run_config = config_dict(model_config, train_config, name, data.record)
     if distributed.is_main():
         with open(files["config"], "w") as f:
             yaml.safe_dump(run_config, f, sort_keys=False)
@@ -299,4 +303,5 @@ def start(
         meta={"config": json.loads(json.dumps(run_config))},
         info=info,
         layer_names=moe_layer_names(state.model),
+        data=data,
     )
