@@ -19,6 +19,7 @@ from dropless.backends import Backend, get_backend, resolve_backend_name
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
 from dropless.models.deepseek_v3.config import DROPLESS_FIELDS
 from dropless.train import metrics as metrics_lib
+from dropless.train.atomic import write_atomic
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.config import TrainConfig
 from dropless.train.data import AbstractDataset, Batch, SyntheticCorpus, token_file_splits
@@ -267,8 +268,7 @@ def start(
         state = shard_state(state, mesh)  # the resumed config's numbers, replicated
 
     run_config = config_dict(model_config, train_config, name)
-    with open(files["config"], "w") as f:
-        yaml.safe_dump(run_config, f, sort_keys=False)
+    write_atomic(files["config"], [yaml.safe_dump(run_config, sort_keys=False)])
     keep_until = int(state.step) if train_config.resume else None
     writer = metrics_lib.MetricsWriter(files["metrics"], keep_until=keep_until)
     info = _info(state, train_config, out_dir, name, mesh)
