@@ -12,6 +12,7 @@ from dropless.train.checkpoint import CheckpointError
 from dropless.train.compile_cache import enable_compile_cache
 from dropless.train.loop import TrainingDiverged, train
 from dropless.train.metrics import EvalLines, ProgressBar
+from dropless.train.run_lock import RunDirectoryLocked
 
 
 def list_presets() -> None:
@@ -94,7 +95,7 @@ def run_train(command: TrainCommand) -> int:
             out_dir=out_dir,
             callbacks=[bar] if bar else [EvalLines(file=sys.stdout)],
         )
-    except (TrainingDiverged, CheckpointError) as err:
+    except (TrainingDiverged, CheckpointError, RunDirectoryLocked) as err:
         if bar:
             bar.close()
         print(f"dropless: error: {err}", file=sys.stderr)

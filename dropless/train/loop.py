@@ -219,5 +219,8 @@ def train(
     run = setup.start(
         model_config, train_config, backend=backend, out_dir=out_dir, callbacks=callbacks
     )
-    records, eval_records = run_steps(run)
-    return finish(run, records, eval_records)
+    try:
+        records, eval_records = run_steps(run)
+        return finish(run, records, eval_records)
+    finally:
+        run.lock.release()

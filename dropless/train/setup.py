@@ -23,6 +23,7 @@ from dropless.train.atomic import write_atomic
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.config import TrainConfig
 from dropless.train.data import AbstractDataset, Batch, SyntheticCorpus, token_file_splits
+from dropless.train.run_lock import RunLock
 from dropless.train.sharded import prepare_model, resolve_mesh, shard_state
 from dropless.train.step import TrainState, init_state, moe_layer_names, with_config
 
@@ -56,6 +57,7 @@ class Run:
     meta: dict  # saved with every checkpoint
     info: dict  # what `Callback.on_start` receives
     layer_names: list[str]  # rows of `expert_load` / `max_vio_layers`
+    lock: RunLock  # the run directory's, released when `train` returns
 
 
 def make_datasets(
@@ -261,8 +263,40 @@ def start(
     _check_data(datasets, model_config, train_config)
     out_dir = os.path.abspath(out_dir)
     files = _output_files(out_dir)
+    lock = RunLock(out_dir)  # held until `train` returns or the process ends
+    try:
+        return _open(
+            model_config,
+            train_config,
+            backend=moe_backend,
+            name=name,
+            mesh=mesh,
+            datasets=datasets,
+            files=files,
+            lock=lock,
+            callbacks=callbacks,
+        )
+    except BaseException:
+        lock.release()
+        raise
 
-    fresh = _fresh_state(model_config, train_config, moe_backend, mesh)
+
+def _open(
+    model_config: DeepSeekV3Config,
+    train_config: TrainConfig,
+    *,
+    backend: Backend,
+    name: str,
+    mesh: Mesh | None,
+    datasets: tuple[AbstractDataset, AbstractDataset],
+    files: dict[str, str],
+    lock: RunLock,
+    callbacks: Sequence[metrics_lib.Callback],
+) -> Run:
+    """The rest of `start`, once the run directory is locked: the state, config.yaml, the
+    metrics file, the callbacks' `on_start`."""
+    out_dir = os.path.dirname(files["metrics"])
+    fresh = _fresh_state(model_config, train_config, backend, mesh)
     state, checkpointer = _open_checkpoints(files["checkpoints"], fresh, train_config)
     if mesh is not None:
         state = shard_state(state, mesh)  # the resumed config's numbers, replicated
@@ -290,4 +324,5 @@ def start(
         meta={"config": json.loads(json.dumps(run_config))},
         info=info,
         layer_names=moe_layer_names(state.model),
+        lock=lock,
     )

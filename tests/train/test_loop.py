@@ -8,6 +8,11 @@ the module (tests/conftest.py drops compiled programs between modules).
 import dataclasses
 import json
 import math
+import os
+import signal
+import socket
+import subprocess
+import sys
 import warnings
 
 import equinox as eqx
@@ -29,6 +34,7 @@ from dropless.train import (
     setup,
     train,
 )
+from dropless.train.run_lock import RunDirectoryLocked, RunLock
 
 TINY = get_preset("tiny")
 
@@ -241,3 +247,30 @@ def test_a_backend_value_runs_as_its_name_does(tmp_path):
     value = train(TINY, settings, backend=get_backend("jnp"), out_dir=str(tmp_path / "v"))
     np.testing.assert_array_equal(value.losses, named.losses)
     assert "backend: custom" in (tmp_path / "v" / "config.yaml").read_text()
+
+
+def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(tmp_path):
+    """Another process holds the run directory: `train` refuses it before writing anything,
+    naming that process; once the holder dies (SIGKILL), the OS has released the lock."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from dropless.train.run_lock import RunLock; "
+            f"RunLock({str(tmp_path)!r}); print('held', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        pattern = f"in use by another run \\(pid {holder.pid} on host {socket.gethostname()}\\)"
+        with pytest.raises(RunDirectoryLocked, match=pattern):
+            train(TINY, config(steps=1, warmup_steps=0), backend="jnp", out_dir=str(tmp_path))
+        assert not (tmp_path / "metrics.jsonl").exists()
+        assert not (tmp_path / "checkpoints").exists()
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    RunLock(str(tmp_path)).release()  # free again
