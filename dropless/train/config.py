@@ -108,7 +108,12 @@ class TrainConfig:
     keep_checkpoints: int = 3
     """How many of the most recent checkpoints to keep."""
     resume: bool = False
-    """Resume from the latest checkpoint in `<out-dir>/checkpoints` (an error if there is none)."""
+    """Resume from the latest checkpoint in `<out-dir>/checkpoints` (an error if there is none);
+    a corrupt, empty or half-written one is passed over, with a warning, for the newest intact
+    one."""
+    resume_step: int | None = None
+    """With `resume`: the checkpoint step to resume from (None: the newest intact one). The
+    checkpoints after it are moved to `<out-dir>/checkpoints-set-aside/`."""
     log_every: int = 1
     """Write a metrics line every this many steps."""
     plots: bool = True
@@ -169,6 +174,8 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.eval_fraction must be in (0, 1), got {self.eval_fraction}"
             )
+        if self.resume_step is not None and self.resume_step < 1:
+            raise ValueError(f"TrainConfig.resume_step must be >= 1, got {self.resume_step}")
         if self.log_every < 1:
             raise ValueError(f"TrainConfig.log_every must be >= 1, got {self.log_every}")
         if self.n_languages < 1:

@@ -17,12 +17,12 @@ from jax.sharding import Mesh
 
 from dropless.backends import Backend, get_backend, resolve_backend_name
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
-from dropless.models.deepseek_v3.config import DROPLESS_FIELDS
 from dropless.train import metrics as metrics_lib
 from dropless.train.atomic import write_atomic
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.config import TrainConfig
 from dropless.train.data import AbstractDataset, Batch, SyntheticCorpus, token_file_splits
+from dropless.train.resume import restore_intact
 from dropless.train.run_lock import RunLock
 from dropless.train.sharded import prepare_model, resolve_mesh, shard_state
 from dropless.train.step import TrainState, init_state, moe_layer_names, with_config
@@ -31,9 +31,6 @@ METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 CHECKPOINT_DIR = "checkpoints"
-
-# Model settings that a resumed run may change: they touch no array.
-_FREE_ON_RESUME = tuple(f for f in DROPLESS_FIELDS if f != "param_dtype")
 
 # What config.yaml records for a `Backend` value that is no registry name.
 CUSTOM_BACKEND = "custom"
@@ -79,11 +76,14 @@ def make_datasets(
 
 def config_dict(model_config: DeepSeekV3Config, train_config: TrainConfig, backend: str) -> dict:
     """The YAML/JSON form of a run's configuration (what `dropless train --config` reads).
-    `resume` is left out (written as false): rerunning a config starts a fresh run."""
+    `resume` and `resume_step` are left out (false, None): rerunning a config starts a fresh
+    run."""
     return {
         "backend": backend,
         "model": dataclasses.asdict(model_config),
-        "train": dataclasses.asdict(dataclasses.replace(train_config, resume=False)),
+        "train": dataclasses.asdict(
+            dataclasses.replace(train_config, resume=False, resume_step=None)
+        ),
     }
 
 
@@ -145,23 +145,6 @@ def _check_backend_fits_mesh(name: str, backend: Backend, mesh: Mesh | None) -> 
         )
 
 
-def _restore(checkpointer: Checkpointer, fresh: TrainState) -> TrainState:
-    """The latest checkpoint, after checking it was written for the same architecture."""
-    saved = checkpointer.read_meta().get("config", {}).get("model") or {}
-    current = json.loads(json.dumps(dataclasses.asdict(fresh.model.config)))
-    changed = [
-        k for k in current if k not in _FREE_ON_RESUME and k in saved and saved[k] != current[k]
-    ]
-    if changed:
-        diffs = ", ".join(f"{k}: {saved[k]!r} -> {current[k]!r}" for k in changed)
-        raise CheckpointError(
-            f"cannot resume from {checkpointer.directory}: it was written for another model "
-            f"configuration ({diffs})"
-        )
-    state, _ = checkpointer.restore(fresh)
-    return state
-
-
 def _open_checkpoints(
     directory: str, fresh: TrainState, train_config: TrainConfig
 ) -> tuple[TrainState, Checkpointer]:
@@ -179,7 +162,7 @@ def _open_checkpoints(
         return fresh, checkpointer
     checkpointer = open_for_resume(directory, keep=keep)
     try:
-        state = with_config(_restore(checkpointer, fresh), train_config)
+        state = with_config(restore_intact(checkpointer, fresh, train_config), train_config)
         if int(state.step) > train_config.steps:
             raise ValueError(
                 f"the checkpoint is at step {int(state.step)}, past the requested steps "

@@ -9,6 +9,8 @@ import dataclasses
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -274,3 +276,39 @@ def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(tmp_pat
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
     RunLock(str(tmp_path)).release()  # free again
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_resume_passes_over_broken_checkpoints_to_the_newest_intact_one(tmp_path):
+    out = str(tmp_path)
+    settings = config(steps=6, checkpoint_every=2, warmup_steps=0)
+    full = train(TINY, settings, backend="jnp", out_dir=out)
+    ckpt = tmp_path / "checkpoints"
+    for path in (ckpt / "6").iterdir():  # an empty folder
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    data = max((p for p in (ckpt / "4").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # a corrupt byte
+    data.write_bytes(bytes(raw))
+    resumed_settings = dataclasses.replace(settings, resume=True)
+    with pytest.warns(UserWarning) as caught:
+        resumed = train(TINY, resumed_settings, backend="jnp", out_dir=out)
+    notes = [str(w.message) for w in caught]
+    assert any(re.search(r"checkpoints/6 is empty", n) for n in notes)
+    assert any(re.search(r"checkpoints/4 is corrupt", n) for n in notes)
+    assert [r["step"] for r in resumed.records] == [3, 4, 5, 6]
+    assert resumed.losses == full.losses[2:]
+    assert sorted(os.listdir(tmp_path / "checkpoints-set-aside")) == ["4", "6"]
+    logged = [r["step"] for r in read_jsonl(resumed.files["metrics"]) if r["split"] == "train"]
+    assert logged == [1, 2, 3, 4, 5, 6]
+
+    # --resume-step chooses: back to step 4, the newer one set aside again
+    again = train(
+        TINY, dataclasses.replace(resumed_settings, resume_step=4), backend="jnp", out_dir=out
+    )
+    assert [r["step"] for r in again.records] == [5, 6]
+    assert again.losses == full.losses[4:]
+    with pytest.raises(CheckpointError, match="no checkpoint for step 5"):
+        bad_step = dataclasses.replace(resumed_settings, resume_step=5)
+        train(TINY, bad_step, backend="jnp", out_dir=out)
