@@ -63,6 +63,9 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip gradients to this global norm (0 turns clipping off)."""
+    max_update_ratio: float = 1.0
+    """Stop the run (before saving) at a step whose update's norm exceeds this multiple of the
+    parameters' norm (0: no bound); see `dropless.train.guard`."""
     moments_dtype: Literal["float32", "bfloat16"] = "float32"
     """Storage of AdamW's two moments (always computed in float32). DeepSeek-V3 keeps them in
     bf16: 4 bytes less per parameter, read and written each step. Needs b1, b2 <= 0.98 (see
@@ -140,6 +143,7 @@ class TrainConfig:
             "warmup_steps",
             "weight_decay",
             "grad_clip",
+            "max_update_ratio",
             "mtp_loss_weight",
             "balance_loss_coef",
             "seq_balance_loss_coef",

@@ -3,7 +3,7 @@ TensorBoard).
 
 Each line of `metrics.jsonl` is one record; training records have `"split": "train"` and
 carry step, loss, ce, mtp, balance_loss, seq_balance_loss, z_loss, max_vio, dropped,
-grad_norm, update_norm, lr, max_vio_layers (one per MoE layer), tokens_per_s, step_time;
+grad_norm, update_norm, param_norm, lr, max_vio_layers (one per MoE layer), tokens_per_s, step_time;
 evaluation records have `"split": "eval"`.
 """
 

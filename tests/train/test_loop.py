@@ -312,3 +312,26 @@ def test_resume_passes_over_broken_checkpoints_to_the_newest_intact_one(tmp_path
     with pytest.raises(CheckpointError, match="no checkpoint for step 5"):
         bad_step = dataclasses.replace(resumed_settings, resume_step=5)
         train(TINY, bad_step, backend="jnp", out_dir=out)
+
+
+def test_an_absurd_update_is_never_saved_and_the_named_checkpoint_resumes(tmp_path):
+    """At lr 1e6 the updates stay finite for a while (AdamW normalises the gradient) but
+    replace the model; the step that does so is stopped before its checkpoint, and the
+    checkpoint the message names resumes at a sane learning rate without diverging."""
+    out = str(tmp_path)
+    settings = config(steps=6, checkpoint_every=1, lr=1e6, warmup_steps=2)
+    with pytest.raises(TrainingDiverged) as err:
+        train(TINY, settings, backend="jnp", out_dir=out)
+    message = str(err.value)
+    assert "the learning rate (lr=1e+06" in message and "likely too high" in message
+    named = int(re.search(r"last good checkpoint is step (\d+)", message).group(1))
+    failed = int(re.search(r"diverged at step (\d+)", message).group(1))
+    assert Checkpointer(str(tmp_path / "checkpoints")).steps()[-1] == named == failed - 1
+    logged = [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))]
+    assert max(logged) == named  # the failed step is not logged either
+    sane = dataclasses.replace(settings, resume=True, lr=3e-3)
+    with pytest.warns(UserWarning, match="lr: 1000000.0 -> 0.003"):
+        resumed = train(TINY, sane, backend="jnp", out_dir=out)
+    assert resumed.records[0]["step"] == named + 1
+    assert all(math.isfinite(r["loss"]) for r in resumed.records)
+    assert all(r["update_norm"] < r["param_norm"] for r in resumed.records)
