@@ -341,3 +341,19 @@ def test_presets_lists_sizes(capsys):
     assert rows["deepseek-v3-671b"][:2] == ["671.0B", "37.6B"]
     assert rows["deepseek-v2-lite"][2] == "-"  # num_nextn_predict_layers = 0
     assert rows["tiny"][0].endswith("M")
+
+
+@pytest.mark.slow
+def test_resume_without_config_yaml_uses_the_checkpoint_and_notes_changes(tmp_path, capsys):
+    out = tmp_path / "run"
+    first = [*SMALL_RUN, "--steps", "3", "--lr", "1e-3", "--seed", "3", "--out-dir", str(out)]
+    assert cli.main(["train", *first]) == 0
+    (out / "config.yaml").unlink()
+    capsys.readouterr()
+    resumed = ["train", "--out-dir", str(out), "--resume", "--steps", "4", "--no-progress"]
+    _, train_config = cli.parse(resumed).configs()
+    assert (train_config.lr, train_config.seed, train_config.warmup_steps) == (1e-3, 3, 2)
+    assert cli.main([*resumed, "--no-compile-cache", "--lr", "2e-3"]) == 0
+    err = capsys.readouterr().err
+    assert "dropless: note: resuming with settings that differ from the checkpoint's: " in err
+    assert "lr: 0.001 -> 0.002" in err and "seed" not in err and "Warning" not in err

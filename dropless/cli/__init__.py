@@ -16,6 +16,7 @@ Modules: `options` (what tyro parses), `config_file` (YAML and `--set`), `help` 
 """
 
 import sys
+import warnings
 from collections.abc import Sequence
 
 from dropless._allocator import keep_freed_memory
@@ -44,6 +45,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # CPU training reuses its freed buffers instead of page-faulting them in afresh at every
     # step (the tiny preset's 200 steps: 21-24 s -> 18-21 s); no effect if JAX already runs
     keep_freed_memory(warn=False)
+    with warnings.catch_warnings():
+        warnings.showwarning = _note  # one line, no source line
+        return _main(args)
+
+
+def _note(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"dropless: note: {message}", file=sys.stderr, flush=True)
+
+
+def _main(args: list[str]) -> int:
     try:
         command = parse(args)
         if isinstance(command, PresetsCommand):

@@ -13,7 +13,8 @@ from dropless.cli.help import HELP_FLAGS, full_help, short_help
 from dropless.cli.options import BACKEND_NAMES, PresetsCommand, TrainCommand, to_options
 from dropless.models.deepseek_v3 import get_preset
 from dropless.train.config import TrainConfig
-from dropless.train.setup import CONFIG_FILE
+from dropless.train.resume import saved_run_config
+from dropless.train.setup import CHECKPOINT_DIR, CONFIG_FILE
 
 
 def flag_value(args: Sequence[str], name: str) -> str | None:
@@ -27,10 +28,11 @@ def flag_value(args: Sequence[str], name: str) -> str | None:
     return value
 
 
-def defaults(args: Sequence[str]) -> TrainCommand:
-    """The train command's defaults: preset, then the YAML config, from a first look at args."""
+def defaults(args: Sequence[str], saved: dict | None = None) -> TrainCommand:
+    """The train command's defaults: preset, then the YAML config, from a first look at args
+    (`saved`: a resumed run's config read from its checkpoint, in place of the file)."""
     file = flag_value(args, "--config")
-    data = load_yaml_config(file) if file else {}
+    data = saved if saved is not None else load_yaml_config(file) if file else {}
     preset = flag_value(args, "--preset") or data.get("preset", "tiny")
     model = get_preset(preset)
     model = replace_checked(model, data.get("model") or {}, f"{file}: model")
@@ -52,7 +54,7 @@ def _print_help(args: Sequence[str]) -> None:
     raise SystemExit(0)
 
 
-def parse(args: Sequence[str]) -> TrainCommand | PresetsCommand:
+def parse(args: Sequence[str], _saved: dict | None = None) -> TrainCommand | PresetsCommand:
     """The command that `args` (without the program name) describe; exits on --help and, through
     tyro, on malformed options; ValueError/FileNotFoundError report bad presets or config
     files."""
@@ -63,7 +65,7 @@ def parse(args: Sequence[str]) -> TrainCommand | PresetsCommand:
         # `dropless train` and its options rather than an internal wrapper
         command = tyro.cli(
             TrainCommand,
-            default=defaults(args[1:]),
+            default=defaults(args[1:], _saved),
             args=list(args[1:]),
             prog="dropless train",
             description=inspect.cleandoc(TrainCommand.__doc__),
@@ -78,14 +80,23 @@ def parse(args: Sequence[str]) -> TrainCommand | PresetsCommand:
             prog="dropless",
             description="dropless: dropless Mixture-of-Experts training in JAX.",
         )
+    if _saved is not None:
+        return command
     resumed = _resumed_config(command)
-    return parse([*args, "--config", resumed]) if resumed else command
+    if isinstance(resumed, str):
+        return parse([*args, "--config", resumed])
+    return parse(args, resumed) if resumed is not None else command
 
 
-def _resumed_config(command: TrainCommand | PresetsCommand) -> str | None:
-    """The config.yaml of the run that `command` resumes, when no `--config` was given: the run
-    goes on with its own model and settings (the flags and `--set` still override them)."""
+def _resumed_config(command: TrainCommand | PresetsCommand) -> str | dict | None:
+    """The config.yaml of the run that `command` resumes, when no `--config` was given, else
+    (the file gone) the config saved with its newest checkpoint: the run goes on with its own
+    model and settings (the flags and `--set` still override them)."""
     if not isinstance(command, TrainCommand) or command.config or command.out_dir is None:
         return None
+    if not command.configs()[1].resume:
+        return None
     path = os.path.join(command.out_dir, CONFIG_FILE)
-    return path if command.configs()[1].resume and os.path.isfile(path) else None
+    if os.path.isfile(path):
+        return path
+    return saved_run_config(os.path.join(command.out_dir, CHECKPOINT_DIR))

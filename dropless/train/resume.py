@@ -4,6 +4,7 @@ for this model, and warn about every setting that differs from the one it was sa
 
 import dataclasses
 import json
+import os
 import warnings
 
 from dropless.models.deepseek_v3.config import DROPLESS_FIELDS
@@ -34,6 +35,26 @@ def check_model(checkpointer: Checkpointer, step: int, fresh: TrainState) -> dic
             f"configuration ({diffs})"
         )
     return saved_config
+
+
+def saved_run_config(checkpoint_dir: str) -> dict | None:
+    """The run config (sections backend, model, train) saved with the newest readable checkpoint
+    in `checkpoint_dir`, or None where there is none: what a resumed run whose config.yaml is
+    gone continues with."""
+    if not os.path.isdir(checkpoint_dir):
+        return None
+    checkpointer = Checkpointer(checkpoint_dir)
+    try:
+        for step in checkpointer.steps()[::-1]:
+            try:
+                config = checkpointer.read_meta(step).get("config")
+            except CorruptCheckpoint:
+                continue
+            if config:
+                return config
+    finally:
+        checkpointer.close()
+    return None
 
 
 def config_changes(saved: dict, train_config: TrainConfig) -> list[str]:
