@@ -357,3 +357,36 @@ def test_resume_without_config_yaml_uses_the_checkpoint_and_notes_changes(tmp_pa
     err = capsys.readouterr().err
     assert "dropless: note: resuming with settings that differ from the checkpoint's: " in err
     assert "lr: 0.001 -> 0.002" in err and "seed" not in err and "Warning" not in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lr", "inf"], "dropless: error: TrainConfig.lr must be finite, got inf ("),
+        (["--grad-clip", "inf"], "dropless: error: TrainConfig.grad_clip must be finite"),
+        (["--steps", "abc"], "dropless: error: --steps: invalid literal for int() with base 10"),
+        (["--config", "."], "dropless: error: --config . is a folder, not a YAML file"),
+    ],
+)
+def test_every_error_is_one_line(args, message, capsys):
+    try:
+        code = cli.main(["train", *args])
+    except SystemExit as exit_:  # what tyro reports exits
+        code = exit_.code
+    assert code == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.startswith(message)
+    assert printed.err.count("\n") == 1 and not set("│╭╰─") & set(printed.err)
+
+
+def test_an_out_dir_that_is_a_file_and_a_short_run_warning_are_one_line_each(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    for out_dir in (tmp_path / "file", tmp_path / "file" / "under"):
+        args = ["train", "--out-dir", str(out_dir), "--steps", "1", "--warmup-steps", "5"]
+        assert cli.main([*args, "--no-compile-cache"]) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == [
+            "dropless: note: TrainConfig.warmup_steps (5) > steps (1): the learning rate never "
+            "reaches lr (0.003)",
+            f"dropless: error: out_dir {out_dir} is a file, or lies under one: give a directory",
+        ]

@@ -1,8 +1,12 @@
 """From arguments to a command: defaults from the preset and `--config`, then tyro's parse of
 the flags, `--help` and `--help-all` (dropless.cli.help), and a resumed run's own config."""
 
+import contextlib
 import inspect
+import io
 import os
+import re
+import sys
 from collections.abc import Sequence
 from typing import Annotated, Union
 
@@ -63,7 +67,7 @@ def parse(args: Sequence[str], _saved: dict | None = None) -> TrainCommand | Pre
             _print_help(args[1:])
         # parsed on its own (not as the subcommand of a union) so that tyro's messages name
         # `dropless train` and its options rather than an internal wrapper
-        command = tyro.cli(
+        command = _tyro_cli(
             TrainCommand,
             default=defaults(args[1:], _saved),
             args=list(args[1:]),
@@ -71,7 +75,7 @@ def parse(args: Sequence[str], _saved: dict | None = None) -> TrainCommand | Pre
             description=inspect.cleandoc(TrainCommand.__doc__),
         )
     else:
-        command = tyro.cli(
+        command = _tyro_cli(
             Union[  # noqa: UP007
                 Annotated[TrainCommand, tyro.conf.subcommand("train")],
                 Annotated[PresetsCommand, tyro.conf.subcommand("presets")],
@@ -86,6 +90,50 @@ def parse(args: Sequence[str], _saved: dict | None = None) -> TrainCommand | Pre
     if isinstance(resumed, str):
         return parse([*args, "--config", resumed])
     return parse(args, resumed) if resumed is not None else command
+
+
+_FRAME = "│╭╮╰╯─ "
+
+
+def one_line_error(text: str) -> str:
+    """tyro's boxed error message as one line: the paragraph under the box's title, without
+    the frame (drawn in box characters on a terminal, in dashes elsewhere)."""
+    paragraphs: list[list[str]] = [[]]
+    for raw in text.splitlines():
+        line = raw.strip().strip(_FRAME)
+        if line and set(line) <= set("─-"):
+            paragraphs.append([])
+        elif line:
+            paragraphs[-1].append(line)
+    lines = [line for paragraph in paragraphs for line in paragraph]
+    if not lines:
+        return " ".join(text.split())
+    body = [p for p in paragraphs if p]
+    first = body[0][1:] or (body[1] if len(body) > 1 else body[0])  # past the title
+    message = " ".join(first)
+    m = re.match(r"Error parsing (\S+): (.*)", message)
+    if m:
+        message = f"{m[1]}: {m[2]}" if m[1].startswith("-") else m[2]
+    return message
+
+
+def _tyro_cli(kind, **kwargs):
+    """`tyro.cli`, its error box turned into the one-line `dropless: error: ...` of every
+    other message (exit status 2); its help text and other output are passed through."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            return tyro.cli(kind, **kwargs)
+    except SystemExit as exit_:
+        if exit_.code in (0, None):
+            print(out.getvalue(), end="")
+            raise
+        prog = kwargs.get("prog", "dropless")
+        print(
+            f"dropless: error: {one_line_error(out.getvalue())} (see {prog} --help)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
 
 
 def _resumed_config(command: TrainCommand | PresetsCommand) -> str | dict | None:

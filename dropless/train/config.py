@@ -1,6 +1,7 @@
 """`TrainConfig`: every setting of a training run that is not the model's architecture."""
 
 import dataclasses
+import math
 from typing import Literal
 
 from dropless.field_types import field_type_error
@@ -128,6 +129,10 @@ class TrainConfig:
         wrong_type = field_type_error(self)
         if wrong_type:
             raise ValueError(f"TrainConfig.{wrong_type}")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"TrainConfig.{field.name} must be finite, got {value}")
         positive = (
             "steps",
             "batch_size",

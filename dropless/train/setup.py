@@ -185,7 +185,12 @@ def _fresh_state(
 
 
 def _output_files(out_dir: str) -> dict[str, str]:
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(
+            f"out_dir {out_dir} is a file, or lies under one: give a directory"
+        ) from None
     return {
         "metrics": os.path.join(out_dir, METRICS_FILE),
         "config": os.path.join(out_dir, CONFIG_FILE),
