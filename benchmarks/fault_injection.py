@@ -151,17 +151,26 @@ def main(argv=None) -> dict:
             totals[name] += value
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    argv_text = " ".join(argv if argv is not None else sys.argv[1:])
+    figures = {**totals, "wall_s": round(time.time() - began, 1)}
     result = {
-        "command": "python benchmarks/fault_injection.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "train_command": " ".join(args[1:]) + " --out-dir DIR [--resume]",
-        "commit": commit.stdout.strip(),
-        "date": time.strftime("%Y-%m-%d"),
-        "steps": opts.steps,
-        "checkpoint_every": opts.checkpoint_every,
-        "seed": opts.seed,
-        **totals,
-        "wall_s": round(time.time() - began, 1),
+        "meta": {
+            "benchmark": "fault_injection",
+            "machine": "cpu",
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": commit.stdout.strip(),
+            "command": f"python benchmarks/fault_injection.py {argv_text}".strip(),
+            "setup": " ".join(["dropless", *args[3:]]) + " --out-dir DIR [--resume]",
+            "source": None,
+        },
+        "rows": [
+            {
+                "steps": opts.steps,
+                "checkpoint_every": opts.checkpoint_every,
+                "seed": opts.seed,
+                **figures,
+            }
+        ],  # fmt: skip
     }
     print(json.dumps(result, indent=1))
     os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
@@ -174,5 +183,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    figures = main()
-    sys.exit(1 if figures["lost"] or figures["duplicated"] or figures["mismatches"] else 0)
+    row = main()["rows"][0]
+    sys.exit(1 if row["lost"] or row["duplicated"] or row["mismatches"] else 0)

@@ -19,6 +19,6 @@ def test_killed_and_resumed_runs_match_an_uninterrupted_one(tmp_path):
     script = os.path.join(REPO, "benchmarks", "fault_injection.py")
     args = ["--kills", "3", "--steps", "12", "--checkpoint-every", "3", "--out", str(out)]
     subprocess.run([sys.executable, script, *args], check=True, timeout=1200)
-    figures = json.loads(out.read_text())
+    figures = json.loads(out.read_text())["rows"][0]
     assert figures["kills"] == 3 and figures["rounds"] >= 1
     assert figures["lost"] == figures["duplicated"] == figures["mismatches"] == 0
