@@ -50,6 +50,12 @@ def read_records(path: str) -> list[dict]:
     return records
 
 
+def last_step(path: str) -> int:
+    """The last training step logged in `path` (0: none)."""
+    steps = [r["step"] for r in read_records(path) if r.get("split") == "train"]
+    return max(steps, default=0)
+
+
 def has_checkpoint(out_dir: str) -> bool:
     directory = os.path.join(out_dir, "checkpoints")
     return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
@@ -62,23 +68,26 @@ def launch(args: list[str], out_dir: str, env: dict, log) -> subprocess.Popen:
     )
 
 
-def kill_at_random(process: subprocess.Popen, out_dir: str, rng: random.Random, span: float):
+def kill_at_random(
+    process: subprocess.Popen, out_dir: str, rng: random.Random, spans: tuple[float, float]
+):
     """Waits for a random moment, then SIGKILLs `process`; returns the phase it was killed in,
-    or None if it ended first."""
+    or None if it ended first. `spans`: the reference run's start-up (launch to first logged
+    step) and training (first logged step to exit) times."""
     metrics = os.path.join(out_dir, "metrics.jsonl")
     if rng.random() < 0.5:
-        phase, deadline = "start", time.time() + rng.uniform(0.0, span)
+        phase, deadline = "start", time.time() + rng.uniform(0.0, spans[0])
     else:  # once a step is logged by this process: training, checkpoints, evaluations
         phase, deadline = "train", None
-        size = os.path.getsize(metrics) if os.path.exists(metrics) else -1
+        before = last_step(metrics)
     while process.poll() is None:
-        if deadline is None and os.path.exists(metrics) and os.path.getsize(metrics) != size:
-            deadline = time.time() + rng.uniform(0.0, 1.5)
+        if deadline is None and last_step(metrics) > before:
+            deadline = time.time() + rng.uniform(0.0, spans[1])
         if deadline is not None and time.time() >= deadline:
             process.send_signal(signal.SIGKILL)
             process.wait()
             return phase
-        time.sleep(0.02)
+        time.sleep(0.05)
     return None
 
 
@@ -114,10 +123,18 @@ def main(argv=None) -> dict:
 
     began = time.time()
     ref_dir = os.path.join(work, "reference")
-    subprocess.run(
-        [*args, "--out-dir", ref_dir], cwd=REPO, env=env, stdout=log, stderr=log, check=True
+    reference_run = subprocess.Popen(
+        [*args, "--out-dir", ref_dir], cwd=REPO, env=env, stdout=log, stderr=log
     )
-    span = time.time() - began  # a whole run: the window of the start-phase kills
+    first_step = None
+    while reference_run.poll() is None:
+        if first_step is None and last_step(os.path.join(ref_dir, "metrics.jsonl")) > 0:
+            first_step = time.time()
+        time.sleep(0.05)
+    if reference_run.returncode != 0:
+        raise SystemExit(f"the reference run failed; see {work}/log.txt")
+    first_step = first_step or time.time()
+    spans = (first_step - began, time.time() - first_step)
     ref_records = read_records(os.path.join(ref_dir, "metrics.jsonl"))
     reference = {r["step"]: r["loss"] for r in ref_records if r["split"] == "train"}
 
@@ -132,7 +149,7 @@ def main(argv=None) -> dict:
                 totals["resumes"] += 1
             process = launch(args, out_dir, env, log)
             phase = (
-                kill_at_random(process, out_dir, rng, span)
+                kill_at_random(process, out_dir, rng, spans)
                 if totals["kills"] < opts.kills
                 else None
             )
