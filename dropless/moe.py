@@ -151,6 +151,13 @@ class MoE(eqx.Module):
         dim = self.router.w_router.shape[1]
         if x.ndim != 2 or x.shape[1] != dim:
             raise ValueError(f"MoE: x must be [tokens dim] with dim = {dim}, got shape {x.shape}")
+        if x.shape[0] == 0:
+            raise ValueError(f"MoE: x must hold at least one token, got shape {x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"MoE: x must be a floating-point array (float32, bfloat16, ...; the router "
+                f"computes in float32, the experts in x's dtype), got dtype {x.dtype}"
+            )
         if seq_len is not None and seq_len < 1:
             raise ValueError(f"MoE: seq_len ({seq_len}) must be >= 1, or None for one sequence")
         routing = self.router(x)

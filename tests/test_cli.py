@@ -394,3 +394,52 @@ def test_presets_lists_sizes(capsys):
     assert rows["deepseek-v3-671b"][:2] == ["671.0B", "37.6B"]
     assert rows["deepseek-v2-lite"][2] == "-"  # num_nextn_predict_layers = 0
     assert rows["tiny"][0].endswith("M")
+
+
+@pytest.mark.slow
+def test_resume_without_config_yaml_uses_the_checkpoint_and_notes_changes(tmp_path, capsys):
+    out = tmp_path / "run"
+    first = [*SMALL_RUN, "--steps", "3", "--lr", "1e-3", "--seed", "3", "--out-dir", str(out)]
+    assert cli.main(["train", *first]) == 0
+    (out / "config.yaml").unlink()
+    capsys.readouterr()
+    resumed = ["train", "--out-dir", str(out), "--resume", "--steps", "4", "--no-progress"]
+    _, train_config = cli.parse(resumed).configs()
+    assert (train_config.lr, train_config.seed, train_config.warmup_steps) == (1e-3, 3, 2)
+    assert cli.main([*resumed, "--no-compile-cache", "--lr", "2e-3"]) == 0
+    err = capsys.readouterr().err
+    assert "dropless: note: resuming with settings that differ from the checkpoint's: " in err
+    assert "lr: 0.001 -> 0.002" in err and "seed" not in err and "Warning" not in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lr", "inf"], "dropless: error: TrainConfig.lr must be finite, got inf ("),
+        (["--grad-clip", "inf"], "dropless: error: TrainConfig.grad_clip must be finite"),
+        (["--steps", "abc"], "dropless: error: --steps: invalid literal for int() with base 10"),
+        (["--config", "."], "dropless: error: --config . is a folder, not a YAML file"),
+    ],
+)
+def test_every_error_is_one_line(args, message, capsys):
+    try:
+        code = cli.main(["train", *args])
+    except SystemExit as exit_:  # what tyro reports exits
+        code = exit_.code
+    assert code == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.startswith(message)
+    assert printed.err.count("\n") == 1 and not set("│╭╰─") & set(printed.err)
+
+
+def test_an_out_dir_that_is_a_file_and_a_short_run_warning_are_one_line_each(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    for out_dir in (tmp_path / "file", tmp_path / "file" / "under"):
+        args = ["train", "--out-dir", str(out_dir), "--steps", "1", "--warmup-steps", "5"]
+        assert cli.main([*args, "--no-compile-cache"]) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == [
+            "dropless: note: TrainConfig.warmup_steps (5) > steps (1): the learning rate never "
+            "reaches lr (0.003)",
+            f"dropless: error: out_dir {out_dir} is a file, or lies under one: give a directory",
+        ]

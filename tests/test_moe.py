@@ -300,3 +300,12 @@ def test_backend_rejects_wrong_strategy_kinds(parts, message):
         object.__setattr__(backend, name, value)
     with pytest.raises(TypeError, match=re.escape(message)):
         backend.__check_init__()
+
+
+def test_an_empty_batch_or_integer_input_is_a_clear_error(unchecked):
+    moe = MoE(12, 10, SPECS[0][0], key=jax.random.key(0))
+    call = unchecked(type(moe).__call__)  # the library's own checks, past the annotations
+    with pytest.raises(ValueError, match=re.escape("MoE: x must hold at least one token")):
+        call(moe, jnp.zeros((0, 12)))
+    with pytest.raises(TypeError, match="MoE: x must be a floating-point array .* got dtype int32"):
+        call(moe, jnp.zeros((4, 12), jnp.int32))

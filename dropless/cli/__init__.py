@@ -21,6 +21,7 @@ Modules: `options` (what tyro parses), `config_file` (YAML and `--set`), `help` 
 """
 
 import sys
+import warnings
 from collections.abc import Sequence
 
 from dropless._allocator import keep_freed_memory
@@ -55,6 +56,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     keep_freed_memory(warn=False)
     if not args or args[0] not in TYRO_COMMANDS:
         return run_command(args)
+    with warnings.catch_warnings():
+        warnings.showwarning = _note  # one line, no source line
+        return _main(args)
+
+
+def _note(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"dropless: note: {message}", file=sys.stderr, flush=True)
+
+
+def _main(args: list[str]) -> int:
     try:
         initialize_from_env()  # a process of a multi-process job joins it before JAX starts
         command = parse(args)

@@ -27,6 +27,10 @@ def parse_yaml(text, where: str):
 
 def load_yaml_config(path: str) -> dict:
     """A run config file: a mapping with (some of) the sections preset, backend, model, train."""
+    if os.path.isdir(path):
+        raise ValueError(
+            f"--config {path} is a folder, not a YAML file (a run's own is <run>/config.yaml)"
+        )
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file not found: {path}")
     with open(path) as f:

@@ -13,6 +13,7 @@ from dropless.train.compile_cache import enable_compile_cache
 from dropless.train.data_source import DataSource, fit_vocab, open_data
 from dropless.train.loop import TrainingDiverged, train
 from dropless.train.metrics import EvalLines, ProgressBar
+from dropless.train.run_lock import RunDirectoryLocked
 from dropless.train.sample import eval_prompt, sample
 
 SAMPLE_PROMPT_TOKENS = 24
@@ -138,7 +139,7 @@ def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
             out_dir=out_dir,
             callbacks=[bar] if bar else [EvalLines(file=sys.stdout)],
         )
-    except (TrainingDiverged, CheckpointError) as err:
+    except (TrainingDiverged, CheckpointError, RunDirectoryLocked) as err:
         if bar:
             bar.close()
         print(f"dropless: error: {err}", file=sys.stderr)

@@ -3,6 +3,8 @@ a small JSON of metadata (configs, step), under `<directory>/<step>/`.
 
 Only arrays are written. Restoring takes a freshly built pytree of the same structure (`like`)
 and fills its arrays, so the static parts (functions, strategies, configs) always come from code.
+The metadata also holds a SHA-256 of every array (`dropless.train.checkpoint_digest`), checked on
+restore: a corrupt, empty or half-written checkpoint is a `CorruptCheckpoint` error.
 """
 
 import os
@@ -13,9 +15,22 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jaxtyping import PyTree
 
+from dropless.train.checkpoint_digest import DIGEST_KEY, digest, mismatches, saved_dtypes
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory is missing, empty, corrupt, or does not fit the model."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """One checkpoint is empty, incomplete, unreadable, or differs from its digest."""
+
+
+def _brief(err: Exception) -> str:
+    """The first line of an error, short: orbax and TensorStore append whole specs."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    first = first if len(first) <= 160 else first[:157] + "..."
+    return f"{type(err).__name__}: {first}"
 
 
 class Checkpointer:
@@ -45,6 +60,7 @@ class Checkpointer:
     def save(self, step: int, state: PyTree, meta: dict) -> None:
         """Writes the arrays of `state` and the JSON-serialisable `meta` as checkpoint `step`."""
         arrays = eqx.filter(state, eqx.is_array)
+        meta = {**meta, DIGEST_KEY: digest(arrays)}
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -54,16 +70,25 @@ class Checkpointer:
 
     def read_meta(self, step: int | None = None) -> dict:
         """The metadata saved with checkpoint `step` (default: the latest)."""
-        step = self._resolve(step)
+        meta = self._read_meta(self._resolve(step))
+        meta.pop(DIGEST_KEY, None)
+        return meta
+
+    def _read_meta(self, step: int) -> dict:
+        path = self._path(step)
+        if not os.listdir(path):
+            raise CorruptCheckpoint(f"checkpoint {path} is empty")
+        if not all(os.path.isdir(os.path.join(path, item)) for item in ("state", "meta")):
+            raise CorruptCheckpoint(f"checkpoint {path} is incomplete (its save was cut short)")
         try:
             restored = self._manager.restore(
                 step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
             )
         except Exception as err:  # orbax raises many types for unreadable files
-            raise CheckpointError(
-                f"checkpoint {self._path(step)} is corrupt or incomplete: cannot read its "
-                f"metadata ({type(err).__name__}: {err})"
-            ) from err
+            raise CorruptCheckpoint(
+                f"checkpoint {path} is corrupt or incomplete: cannot read its metadata "
+                f"({_brief(err)})"
+            ) from None
         return dict(restored.meta)
 
     def restore(self, like: PyTree, step: int | None = None) -> tuple[PyTree, dict]:
@@ -74,29 +99,66 @@ class Checkpointer:
         allocated before the read); its arrays are replaced by the saved ones.
         """
         step = self._resolve(step)
+        meta = self._read_meta(step)
+        expected = meta.pop(DIGEST_KEY, None)
         arrays, static = eqx.partition(like, _is_array_or_abstract)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
+        # read in the dtypes they were saved in (checked against the digest), then cast
+        dtypes = saved_dtypes(expected) if expected else {}
+
+        def target(path, x):
+            spec = ocp.utils.to_shape_dtype_struct(x)
+            dtype = dtypes.get(jax.tree_util.keystr(path), spec.dtype)
+            return jax.ShapeDtypeStruct(spec.shape, jnp.dtype(dtype), sharding=spec.sharding)
+
+        abstract = jax.tree_util.tree_map_with_path(target, arrays)
         try:
             restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-                ),
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
             )
         except Exception as err:  # orbax raises many types for unreadable files
-            raise CheckpointError(
+            raise CorruptCheckpoint(
                 f"cannot restore checkpoint {self._path(step)}: it is corrupt, incomplete, or "
-                f"was written for a different model ({type(err).__name__}: {err})"
-            ) from err
+                f"was written for a different model ({_brief(err)})"
+            ) from None
+        if expected is not None:
+            bad = mismatches(restored.state, expected)
+            if bad:
+                raise CorruptCheckpoint(
+                    f"checkpoint {self._path(step)} is corrupt: {len(bad)} array(s) differ from "
+                    f"the digest saved with them ({', '.join(bad[:3])}{', ...' if bad[3:] else ''})"
+                )
         # Orbax places what it reads on `like`'s devices, committed. Where `like` was not (a
         # fresh single-device state), commitment would make jit see new arguments and compile
         # the step again in this process; through the host, the array is uncommitted too.
         placed = jax.tree.map(
-            lambda new, old: new if _committed(old) else jnp.asarray(jax.device_get(new)),
+            lambda new, old: (
+                new.astype(old.dtype)
+                if _committed(old)
+                else jnp.asarray(jax.device_get(new), old.dtype)
+            ),
             restored.state,
             arrays,
         )
-        return eqx.combine(placed, static), dict(restored.meta)
+        return eqx.combine(placed, static), meta
+
+    def set_aside(self, after: int) -> list[str]:
+        """Moves the checkpoints of the steps after `after` out of the directory, into
+        `<directory>-set-aside/`, so that a run resumed at `after` saves those steps afresh;
+        returns where they went. Nothing is deleted."""
+        self._manager.reload()
+        moved = []
+        for step in self.steps():
+            if step > after:
+                target = os.path.join(f"{self.directory}-set-aside", str(step))
+                suffix = 1
+                while os.path.exists(target):
+                    target = os.path.join(f"{self.directory}-set-aside", f"{step}.{suffix}")
+                    suffix += 1
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.rename(self._path(step), target)
+                moved.append(target)
+        self._manager.reload()
+        return moved
 
     def wait(self) -> None:
         """Blocks until every started save is on disk."""

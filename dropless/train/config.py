@@ -1,6 +1,7 @@
 """`TrainConfig`: every setting of a training run that is not the model's architecture."""
 
 import dataclasses
+import math
 from typing import Literal
 
 from dropless.field_types import field_type_error
@@ -68,6 +69,9 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip gradients to this global norm (0 turns clipping off)."""
+    max_update_ratio: float = 1.0
+    """Stop the run (before saving) at a step whose update's norm exceeds this multiple of the
+    parameters' norm (0: no bound); see `dropless.train.guard`."""
     moments_dtype: Literal["float32", "bfloat16"] = "float32"
     """Storage of AdamW's two moments (always computed in float32). DeepSeek-V3 keeps them in
     bf16: 4 bytes less per parameter, read and written each step. Needs b1, b2 <= 0.98 (see
@@ -117,7 +121,12 @@ class TrainConfig:
     keep_checkpoints: int = 3
     """How many of the most recent checkpoints to keep."""
     resume: bool = False
-    """Resume from the latest checkpoint in `<out-dir>/checkpoints` (an error if there is none)."""
+    """Resume from the latest checkpoint in `<out-dir>/checkpoints` (an error if there is none);
+    a corrupt, empty or half-written one is passed over, with a warning, for the newest intact
+    one."""
+    resume_step: int | None = None
+    """With `resume`: the checkpoint step to resume from (None: the newest intact one). The
+    checkpoints after it are moved to `<out-dir>/checkpoints-set-aside/`."""
     log_every: int = 1
     """Write a metrics line every this many steps."""
     plots: bool = True
@@ -129,6 +138,10 @@ class TrainConfig:
         wrong_type = field_type_error(self)
         if wrong_type:
             raise ValueError(f"TrainConfig.{wrong_type}")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"TrainConfig.{field.name} must be finite, got {value}")
         positive = (
             "steps",
             "batch_size",
@@ -144,6 +157,7 @@ class TrainConfig:
             "warmup_steps",
             "weight_decay",
             "grad_clip",
+            "max_update_ratio",
             "mtp_loss_weight",
             "balance_loss_coef",
             "seq_balance_loss_coef",
@@ -178,6 +192,8 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.eval_fraction must be in (0, 1), got {self.eval_fraction}"
             )
+        if self.resume_step is not None and self.resume_step < 1:
+            raise ValueError(f"TrainConfig.resume_step must be >= 1, got {self.resume_step}")
         if self.log_every < 1:
             raise ValueError(f"TrainConfig.log_every must be >= 1, got {self.log_every}")
         if self.n_languages < 1:

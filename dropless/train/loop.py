@@ -13,7 +13,6 @@ It writes into `out_dir`: `config.yaml` (what ran: rerun with `dropless train --
 """
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -27,14 +26,16 @@ from dropless.backends import Backend
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.train import distributed, offload, setup, throughput
 from dropless.train import metrics as metrics_lib
-from dropless.train.checkpoint import Checkpointer
 from dropless.train.config import TrainConfig
 from dropless.train.data import AbstractDataset
 from dropless.train.finish import TrainResults, finish
+from dropless.train.guard import TrainingDiverged, check_step
 from dropless.train.setup import Run
 from dropless.train.sharded import sharded_eval_step, sharded_train_step
 from dropless.train.step import eval_step, hparams, train_step
 from dropless.train.throughput import Throughput
+
+__all__ = ["TrainingDiverged", "evaluate", "run_steps", "train"]
 
 _SCALARS = (
     "loss",
@@ -47,14 +48,10 @@ _SCALARS = (
     "dropped",
     "grad_norm",
     "update_norm",
+    "param_norm",
     "lr",
 )
 _EVAL_SCALARS = ("loss", "ce", "mtp", "balance_loss", "seq_balance_loss", "z_loss", "max_vio")
-_WATCHED = ("loss", "grad_norm", "update_norm")  # any of them non-finite: the run diverged
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss (or gradient) became NaN or infinite; the run stopped before saving it."""
 
 
 def evaluate(
@@ -88,20 +85,6 @@ def _host_metrics(metrics: dict) -> dict:
     record = {name: float(host[name]) for name in _SCALARS}
     record["max_vio_layers"] = [float(v) for v in host["max_vio_layers"]]
     return record
-
-
-def _diverged(record: dict, step: int, checkpointer: Checkpointer) -> TrainingDiverged:
-    last = checkpointer.latest_step()
-    where = (
-        f"the last good checkpoint is step {last} in {checkpointer.directory}"
-        if last is not None
-        else "no checkpoint was saved before it"
-    )
-    bad = ", ".join(f"{k}={record[k]}" for k in _WATCHED if not math.isfinite(record[k]))
-    return TrainingDiverged(
-        f"training diverged at step {step}: {bad} (learning rate {record['lr']:.3g}). Stopped "
-        f"without saving; {where}. Lower the learning rate (or check the data) and resume."
-    )
 
 
 def _run_eval(run: Run, step: int, eval_records: list[dict]) -> None:
@@ -139,9 +122,8 @@ def _train_step(run: Run, step: int, meter: Throughput) -> dict:
         run.state, metrics = sharded_train_step(run.mesh, run.state, tokens, config.micro_batches)
     record = _host_metrics(metrics)  # waits for the step
     elapsed = time.perf_counter() - began
-    if not all(math.isfinite(record[name]) for name in _WATCHED):
-        run.checkpointer.wait()
-        raise _diverged(record, step + 1, run.checkpointer)
+    # before the step is logged or saved: the last checkpoint stays the last good one
+    check_step(record, step + 1, config, run.model_config, run.checkpointer)
     tokens_per_s, mfu = meter.lap()
     return {
         "split": "train",
@@ -223,13 +205,17 @@ def train(
 
     Raises ValueError for bad settings or data (token ids outside the vocabulary, sequences
     longer than the model supports), CheckpointError for a missing, corrupt or mismatched
-    checkpoint, and TrainingDiverged when the loss becomes NaN/inf; the checkpoints saved
-    before that stay.
+    checkpoint, and TrainingDiverged when the loss becomes NaN/inf or an update is absurdly
+    large (`dropless.train.guard`); the checkpoints saved before that stay.
     """
     if mesh is not None:
         train_config = dataclasses.replace(train_config, mesh=mesh)
     run = setup.start(
         model_config, train_config, backend=backend, out_dir=out_dir, callbacks=callbacks
     )
-    records, eval_records = run_steps(run)
-    return finish(run, records, eval_records)
+    try:
+        records, eval_records = run_steps(run)
+        return finish(run, records, eval_records)
+    finally:
+        if run.lock is not None:
+            run.lock.release()

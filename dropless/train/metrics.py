@@ -3,9 +3,9 @@ TensorBoard).
 
 Each line of `metrics.jsonl` is one record; training records have `"split": "train"` and
 carry step, loss, ce, mtp, balance_loss, seq_balance_loss, z_loss, max_vio, dropped,
-grad_norm, update_norm, lr, max_vio_layers (one per MoE layer), step_time, tokens_per_s and
-mfu (`dropless.train.throughput`; null where the device's peak is unknown); evaluation records
-have `"split": "eval"`.
+grad_norm, update_norm, param_norm, lr, max_vio_layers (one per MoE layer), step_time,
+tokens_per_s and mfu (`dropless.train.throughput`; null where the device's peak is unknown);
+evaluation records have `"split": "eval"`.
 """
 
 import json
@@ -16,13 +16,16 @@ from collections.abc import Iterable
 import numpy as np
 from jaxtyping import Float
 
+from dropless.train.atomic import write_atomic
+
 
 class MetricsWriter:
     """Appends records to a JSONL file, one line each, flushed as written.
 
     `keep_until`: on opening, drop the existing records with a larger step (a resumed run
     rewrites the steps after its checkpoint); None starts the file afresh. `kept`: the records
-    kept.
+    kept. The file is never truncated in place: the kept records are written to a temporary
+    file that replaces it (`dropless.train.atomic`), so a kill while resuming loses nothing.
     """
 
     def __init__(self, path: str, *, keep_until: int | None = None):
@@ -30,10 +33,8 @@ class MetricsWriter:
         self.kept: list[dict] = []
         if keep_until is not None and os.path.exists(path):
             self.kept = [r for r in read_jsonl(path) if r.get("step", 0) <= keep_until]
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file = open(path, "w")  # noqa: SIM115 (closed in close())
-        for record in self.kept:
-            self.write(record)
+        write_atomic(path, (json.dumps(record) + "\n" for record in self.kept))
+        self._file = open(path, "a")  # noqa: SIM115 (closed in close())
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

@@ -17,13 +17,15 @@ from jax.sharding import Mesh
 
 from dropless.backends import Backend, get_backend, resolve_backend_name
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
-from dropless.models.deepseek_v3.config import DROPLESS_FIELDS
 from dropless.train import distributed, offload
 from dropless.train import metrics as metrics_lib
+from dropless.train.atomic import write_atomic
 from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.config import TrainConfig
 from dropless.train.data import AbstractDataset, Batch
 from dropless.train.data_source import DataSource, check_vocab, open_data
+from dropless.train.resume import restore_intact
+from dropless.train.run_lock import RunLock
 from dropless.train.sharded import prepare_model, resolve_mesh, shard_state
 from dropless.train.step import TrainState, init_state, moe_layer_names, with_config
 
@@ -31,9 +33,6 @@ METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 CHECKPOINT_DIR = "checkpoints"
-
-# Model settings that a resumed run may change: they touch no array.
-_FREE_ON_RESUME = tuple(f for f in DROPLESS_FIELDS if f != "param_dtype")
 
 # What config.yaml records for a `Backend` value that is no registry name.
 CUSTOM_BACKEND = "custom"
@@ -57,6 +56,7 @@ class Run:
     meta: dict  # saved with every checkpoint
     info: dict  # what `Callback.on_start` receives
     layer_names: list[str]  # rows of `expert_load` / `max_vio_layers`
+    lock: RunLock | None  # the run directory's (process 0's), released when `train` returns
     data: DataSource | None = None  # what `train_config.data` opened to (its tokenizer, record)
 
 
@@ -75,12 +75,14 @@ def config_dict(
     data: dict | None = None,
 ) -> dict:
     """The YAML/JSON form of a run's configuration (what `dropless train --config` reads).
-    `resume` is left out (written as false): rerunning a config starts a fresh run. `data`:
-    the record of the data read (`DataSource.record`), written for the reader only."""
+    `resume` and `resume_step` are left out (false, None): rerunning a config starts a fresh
+    run. `data`: the record of the data read (`DataSource.record`), written for the reader only."""
     out = {
         "backend": backend,
         "model": dataclasses.asdict(model_config),
-        "train": dataclasses.asdict(dataclasses.replace(train_config, resume=False)),
+        "train": dataclasses.asdict(
+            dataclasses.replace(train_config, resume=False, resume_step=None)
+        ),
     }
     if data is not None:
         out["data"] = data
@@ -145,23 +147,6 @@ def _check_backend_fits_mesh(name: str, backend: Backend, mesh: Mesh | None) -> 
         )
 
 
-def _restore(checkpointer: Checkpointer, fresh: TrainState) -> TrainState:
-    """The latest checkpoint, after checking it was written for the same architecture."""
-    saved = checkpointer.read_meta().get("config", {}).get("model") or {}
-    current = json.loads(json.dumps(dataclasses.asdict(fresh.model.config)))
-    changed = [
-        k for k in current if k not in _FREE_ON_RESUME and k in saved and saved[k] != current[k]
-    ]
-    if changed:
-        diffs = ", ".join(f"{k}: {saved[k]!r} -> {current[k]!r}" for k in changed)
-        raise CheckpointError(
-            f"cannot resume from {checkpointer.directory}: it was written for another model "
-            f"configuration ({diffs})"
-        )
-    state, _ = checkpointer.restore(fresh)
-    return state
-
-
 def _open_checkpoints(
     directory: str, fresh: TrainState, train_config: TrainConfig
 ) -> tuple[TrainState, Checkpointer]:
@@ -179,7 +164,7 @@ def _open_checkpoints(
         return fresh, checkpointer
     checkpointer = open_for_resume(directory, keep=keep)
     try:
-        state = with_config(_restore(checkpointer, fresh), train_config)
+        state = with_config(restore_intact(checkpointer, fresh, train_config), train_config)
         if int(state.step) > train_config.steps:
             raise ValueError(
                 f"the checkpoint is at step {int(state.step)}, past the requested steps "
@@ -202,7 +187,12 @@ def _fresh_state(
 
 
 def _output_files(out_dir: str) -> dict[str, str]:
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(
+            f"out_dir {out_dir} is a file, or lies under one: give a directory"
+        ) from None
     return {
         "metrics": os.path.join(out_dir, METRICS_FILE),
         "config": os.path.join(out_dir, CONFIG_FILE),
@@ -264,12 +254,45 @@ def start(
     _check_backend_fits_mesh(name, moe_backend, mesh)
     data = open_data(train_config, model_config.vocab_size)
     check_vocab(model_config, data)
-    datasets = (data.train, data.eval)
-    _check_data(datasets, model_config, train_config)
+    _check_data((data.train, data.eval), model_config, train_config)
     out_dir = os.path.abspath(out_dir)
     files = _output_files(out_dir)
+    # held until `train` returns or the process ends; by process 0 for a multi-process job
+    lock = RunLock(out_dir) if distributed.is_main() else None
+    try:
+        return _open(
+            model_config,
+            train_config,
+            backend=moe_backend,
+            name=name,
+            mesh=mesh,
+            data=data,
+            files=files,
+            lock=lock,
+            callbacks=callbacks,
+        )
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
 
-    fresh = _fresh_state(model_config, train_config, moe_backend, mesh)
+
+def _open(
+    model_config: DeepSeekV3Config,
+    train_config: TrainConfig,
+    *,
+    backend: Backend,
+    name: str,
+    mesh: Mesh | None,
+    data: DataSource,
+    files: dict[str, str],
+    lock: RunLock | None,
+    callbacks: Sequence[metrics_lib.Callback],
+) -> Run:
+    """The rest of `start`, once the run directory is locked: the state, config.yaml, the
+    metrics file, the callbacks' `on_start`."""
+    out_dir = os.path.dirname(files["metrics"])
+    fresh = _fresh_state(model_config, train_config, backend, mesh)
     state, checkpointer = _open_checkpoints(files["checkpoints"], fresh, train_config)
     if mesh is not None:
         state = shard_state(state, mesh)  # the resumed config's numbers, replicated
@@ -278,8 +301,7 @@ def start(
         state = offload.to_host(state)
     run_config = config_dict(model_config, train_config, name, data.record)
     if distributed.is_main():
-        with open(files["config"], "w") as f:
-            yaml.safe_dump(run_config, f, sort_keys=False)
+        write_atomic(files["config"], [yaml.safe_dump(run_config, sort_keys=False)])
     else:
         callbacks = []
     keep_until = int(state.step) if train_config.resume else None
@@ -293,8 +315,8 @@ def start(
         train_config=train_config,
         state=state,
         mesh=mesh,
-        train_data=datasets[0],
-        eval_data=datasets[1],
+        train_data=data.train,
+        eval_data=data.eval,
         out_dir=out_dir,
         files=files,
         checkpointer=checkpointer,
@@ -303,5 +325,6 @@ def start(
         meta={"config": json.loads(json.dumps(run_config))},
         info=info,
         layer_names=moe_layer_names(state.model),
+        lock=lock,
         data=data,
     )

@@ -199,7 +199,7 @@ def train_step(
     batch (`dropless.train.accumulate`), for batches too large for one pass.
 
     Metrics are device arrays: scalars (loss, ce, mtp, balance_loss, seq_balance_loss, z_loss,
-    max_vio, dropped, grad_norm, update_norm, lr) plus `max_vio_layers [layers]` and
+    max_vio, dropped, grad_norm, update_norm, param_norm, lr) plus `max_vio_layers [layers]` and
     `tokens_per_expert [layers experts]`.
     """
     params, frozen = eqx.partition(state.model, optim.trainable_filter(state.model))
@@ -258,6 +258,7 @@ def apply_gradients(
         **stats,
         "grad_norm": optax.tree.norm(grads),
         "update_norm": optax.tree.norm(updates),
+        "param_norm": optax.tree.norm(params),  # before the update: its bound's scale
         "lr": lr,
     }
     return new_state, metrics

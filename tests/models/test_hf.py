@@ -817,3 +817,26 @@ def test_bad_input_is_a_clear_error(saved, tmp_path, kind):
 def test_missing_directory():
     with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
         from_pretrained("/nonexistent/checkpoint")
+
+
+def test_zero_size_tensors_of_absent_parts_are_accepted(tmp_path):
+    """transformers saves a model with n_shared_experts=0 with zero-size shared_experts.*
+    tensors (its Linear layers of width 0): they hold nothing and are accepted; a non-empty
+    stray tensor is still refused."""
+    config = small_config(n_shared_experts=0)
+    model = random_model(config, 0)
+    save_pretrained(model, config, tmp_path)
+    tensors = read_all(tmp_path)
+    hidden = config.hidden_size
+    for layer in range(config.first_k_dense_replace, config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.shared_experts."
+        tensors[prefix + "gate_proj.weight"] = np.zeros((0, hidden), np.float32)
+        tensors[prefix + "up_proj.weight"] = np.zeros((0, hidden), np.float32)
+        tensors[prefix + "down_proj.weight"] = np.zeros((hidden, 0), np.float32)
+    rewrite(tmp_path, tensors)
+    loaded, _ = from_pretrained(tmp_path)
+    assert_same_params(model, loaded)
+    tensors["model.layers.1.mlp.shared_experts.up_proj.weight"] = np.zeros((1, hidden), np.float32)
+    rewrite(tmp_path, tensors)
+    with pytest.raises(CheckpointError, match="unexpected tensors: .*shared_experts.up_proj"):
+        from_pretrained(tmp_path)

@@ -387,3 +387,20 @@ def test_backend_is_a_value():
     no_topk = Backend(dispatcher=ragged.dispatcher, gmm=ragged.gmm, topk=None)
     assert set(layers.moe_strategies(no_topk)) == {"dispatcher", "gmm"}
     assert layers.moe_strategies(None) == {}
+
+
+def test_empty_batches_and_ids_outside_the_vocabulary_under_jit(model, unchecked):
+    call = unchecked(type(model).__call__)
+    for shape in ((0, 16), (2, 0)):
+        with pytest.raises(ValueError, match=r"tokens must hold at least one token, got shape"):
+            call(model, jnp.zeros(shape, jnp.int32))
+        with pytest.raises(ValueError, match="at least one token"):
+            check_tokens(np.zeros(shape, np.int32), model.config)
+    # traced ids cannot raise: any id outside [0, vocab) embeds as NaN, and its sequence's
+    # logits turn NaN from its position on (attention spreads NaN even to earlier ones)
+    vocab = model.config.vocab_size
+    logits = eqx.filter_jit(lambda m, t: m(t).logits)
+    assert bool(jnp.isfinite(logits(model, jnp.array([[1, 2, 3, 4]]))).all())
+    for bad_id in (vocab, -1, 10 * vocab):
+        out = logits(model, jnp.array([[1, 2, bad_id, 4]]))
+        assert bool(jnp.isnan(out[:, 2:]).all())

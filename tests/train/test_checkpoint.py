@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
-from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
+from dropless.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CorruptCheckpoint,
+    open_for_resume,
+)
 from dropless.train.config import TrainConfig
 from dropless.train.step import init_state
 
@@ -125,3 +130,33 @@ def test_float32_moments_restore_as_bfloat16_into_a_bfloat16_state(tmp_path):
     for g, w in zip(got, want, strict=True):
         assert g.dtype == jnp.bfloat16 and w.dtype == jnp.float32
         np.testing.assert_array_equal(g, w.astype(jnp.bfloat16))
+
+
+def _largest_array_file(directory, step: int):
+    files = [p for p in (directory / str(step) / "state").rglob("*") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+@orbax_failed_restore
+def test_a_flipped_bit_or_a_truncated_file_is_caught_by_the_digest(tmp_path):
+    directory = tmp_path / "ckpt"
+    checkpointer = Checkpointer(str(directory))
+    checkpointer.save(1, state(0), {"step": 1})
+    checkpointer.save(2, state(0), {"step": 2})
+    checkpointer.close()
+    data = _largest_array_file(directory, 1)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1  # one bit
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpoint, match="checkpoint .*1 is corrupt") as err:
+        open_for_resume(str(directory)).restore(state(0), step=1)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 400
+    data = _largest_array_file(directory, 2)
+    data.write_bytes(data.read_bytes()[:100])  # truncated
+    with pytest.raises(CorruptCheckpoint, match="checkpoint .*2") as err:
+        open_for_resume(str(directory)).restore(state(0), step=2)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 400  # not a TensorStore spec
+    (directory / "3").mkdir()  # an empty folder, as a kill leaves
+    with pytest.raises(CorruptCheckpoint, match="checkpoint .*3 is empty"):
+        open_for_resume(str(directory)).restore(state(0))
+    gc.collect()

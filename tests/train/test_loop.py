@@ -8,6 +8,13 @@ the module (tests/conftest.py drops compiled programs between modules).
 import dataclasses
 import json
 import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
 import warnings
 
 import equinox as eqx
@@ -29,6 +36,7 @@ from dropless.train import (
     setup,
     train,
 )
+from dropless.train.run_lock import RunDirectoryLocked, RunLock
 
 TINY = get_preset("tiny")
 
@@ -243,3 +251,89 @@ def test_a_backend_value_runs_as_its_name_does(tmp_path):
     value = train(TINY, settings, backend=get_backend("jnp"), out_dir=str(tmp_path / "v"))
     np.testing.assert_array_equal(value.losses, named.losses)
     assert "backend: custom" in (tmp_path / "v" / "config.yaml").read_text()
+
+
+def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(tmp_path):
+    """Another process holds the run directory: `train` refuses it before writing anything,
+    naming that process; once the holder dies (SIGKILL), the OS has released the lock."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from dropless.train.run_lock import RunLock; "
+            f"RunLock({str(tmp_path)!r}); print('held', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        pattern = f"in use by another run \\(pid {holder.pid} on host {socket.gethostname()}\\)"
+        with pytest.raises(RunDirectoryLocked, match=pattern):
+            train(TINY, config(steps=1, warmup_steps=0), backend="jnp", out_dir=str(tmp_path))
+        assert not (tmp_path / "metrics.jsonl").exists()
+        assert not (tmp_path / "checkpoints").exists()
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    RunLock(str(tmp_path)).release()  # free again
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_resume_passes_over_broken_checkpoints_to_the_newest_intact_one(tmp_path):
+    out = str(tmp_path)
+    settings = config(steps=6, checkpoint_every=2, warmup_steps=0)
+    full = train(TINY, settings, backend="jnp", out_dir=out)
+    ckpt = tmp_path / "checkpoints"
+    for path in (ckpt / "6").iterdir():  # an empty folder
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    data = max((p for p in (ckpt / "4").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # a corrupt byte
+    data.write_bytes(bytes(raw))
+    resumed_settings = dataclasses.replace(settings, resume=True)
+    with pytest.warns(UserWarning) as caught:
+        resumed = train(TINY, resumed_settings, backend="jnp", out_dir=out)
+    notes = [str(w.message) for w in caught]
+    assert any(re.search(r"checkpoints/6 is empty", n) for n in notes)
+    assert any(re.search(r"checkpoints/4 is corrupt", n) for n in notes)
+    assert [r["step"] for r in resumed.records] == [3, 4, 5, 6]
+    assert resumed.losses == full.losses[2:]
+    assert sorted(os.listdir(tmp_path / "checkpoints-set-aside")) == ["4", "6"]
+    logged = [r["step"] for r in read_jsonl(resumed.files["metrics"]) if r["split"] == "train"]
+    assert logged == [1, 2, 3, 4, 5, 6]
+
+    # --resume-step chooses: back to step 4, the newer one set aside again
+    again = train(
+        TINY, dataclasses.replace(resumed_settings, resume_step=4), backend="jnp", out_dir=out
+    )
+    assert [r["step"] for r in again.records] == [5, 6]
+    assert again.losses == full.losses[4:]
+    with pytest.raises(CheckpointError, match="no checkpoint for step 5"):
+        bad_step = dataclasses.replace(resumed_settings, resume_step=5)
+        train(TINY, bad_step, backend="jnp", out_dir=out)
+
+
+def test_an_absurd_update_is_never_saved_and_the_named_checkpoint_resumes(tmp_path):
+    """At lr 1e6 the updates stay finite for a while (AdamW normalises the gradient) but
+    replace the model; the step that does so is stopped before its checkpoint, and the
+    checkpoint the message names resumes at a sane learning rate without diverging."""
+    out = str(tmp_path)
+    settings = config(steps=6, checkpoint_every=1, lr=1e6, warmup_steps=2)
+    with pytest.raises(TrainingDiverged) as err:
+        train(TINY, settings, backend="jnp", out_dir=out)
+    message = str(err.value)
+    assert "the learning rate (lr=1e+06" in message and "likely too high" in message
+    named = int(re.search(r"last good checkpoint is step (\d+)", message).group(1))
+    failed = int(re.search(r"diverged at step (\d+)", message).group(1))
+    assert Checkpointer(str(tmp_path / "checkpoints")).steps()[-1] == named == failed - 1
+    logged = [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))]
+    assert max(logged) == named  # the failed step is not logged either
+    sane = dataclasses.replace(settings, resume=True, lr=3e-3)
+    with pytest.warns(UserWarning, match="lr: 1000000.0 -> 0.003"):
+        resumed = train(TINY, sane, backend="jnp", out_dir=out)
+    assert resumed.records[0]["step"] == named + 1
+    assert all(math.isfinite(r["loss"]) for r in resumed.records)
+    assert all(r["update_norm"] < r["param_norm"] for r in resumed.records)

@@ -61,3 +61,28 @@ def test_progress_bar_follows_steps(tmp_path):
     out.close()
     text = (tmp_path / "bar.txt").read_text()
     assert "eval loss 1.0000" in text
+
+
+def test_a_kill_while_resuming_never_loses_the_history(tmp_path, monkeypatch):
+    """The resumed writer rewrites the kept records: a failure part-way (a kill) leaves the
+    old file whole, not truncated."""
+    path = str(tmp_path / "m.jsonl")
+    writer = metrics.MetricsWriter(path)
+    for step in range(1, 6):
+        writer.write({"split": "train", "step": step})
+    writer.close()
+    before = (tmp_path / "m.jsonl").read_text()
+    real_dumps, calls = metrics.json.dumps, []
+
+    def dies_on_the_second_record(record):
+        calls.append(record)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # stands for SIGKILL mid-rewrite
+        return real_dumps(record)
+
+    monkeypatch.setattr(metrics.json, "dumps", dies_on_the_second_record)
+    with pytest.raises(KeyboardInterrupt):
+        metrics.MetricsWriter(path, keep_until=3)
+    monkeypatch.undo()
+    assert (tmp_path / "m.jsonl").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl"]  # no temporary left

@@ -1,6 +1,7 @@
 """TrainConfig's validation: each bad value names its field and the rule."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -68,3 +69,10 @@ def test_the_defaults_and_edge_values_are_accepted():
     validate()
     validate(b1=0.0, b2=0.0, seed=0, lr=1, eps=1e-30, mesh=None)  # an int for a float field
     assert dataclasses.replace(TrainConfig(), b1=0.5).b1 == 0.5
+
+
+@pytest.mark.parametrize("field, value", [("lr", math.inf), ("weight_decay", math.nan),
+                                          ("grad_clip", math.inf), ("eps", math.nan)])  # fmt: skip
+def test_non_finite_numbers_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{field} must be finite, got {value}"):
+        TrainConfig(**{field: value})

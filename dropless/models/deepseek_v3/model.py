@@ -114,9 +114,12 @@ class DeepSeekV3(eqx.Module):
         """Logits, MTP logits and MoE statistics of a batch of token sequences;
         `return_routing` (a Python bool) adds every MoE layer's routing to the statistics.
 
-        Raises ValueError for sequences longer than `max_position_embeddings`, and, when the
-        tokens are concrete (not traced), for ids outside the vocabulary; under `jit` call
-        `check_tokens` on the host batch instead.
+        Raises ValueError for an empty batch ([0, seq] or [batch, 0]), for sequences longer
+        than `max_position_embeddings`, and, when the tokens are concrete (not traced), for ids
+        outside the vocabulary. Under `jit` the ids cannot be checked without a host callback
+        in the compiled step: an id outside [0, vocab_size) (-1 included) embeds as NaN, so
+        its sequence's logits are NaN from its position on, never a silent clamp. Call
+        `check_tokens` on the host batch to get the error (`train` does, for every batch).
         """
         return self.from_embeddings(self._embed(tokens), return_routing=return_routing)
 
@@ -138,6 +141,8 @@ class DeepSeekV3(eqx.Module):
         c = self.config
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch seq], got shape {tokens.shape}")
+        if 0 in tokens.shape:
+            raise ValueError(f"tokens must hold at least one token, got shape {tokens.shape}")
         if tokens.shape[1] > c.max_position_embeddings:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds max_position_embeddings "
@@ -146,7 +151,11 @@ class DeepSeekV3(eqx.Module):
         if not isinstance(tokens, jax.core.Tracer):
             check_tokens(tokens, c)
         with jax.named_scope("embed"):
-            return jnp.take(self.embed_tokens, tokens, axis=0).astype(c.compute_jnp_dtype)
+            # every id outside the vocabulary (negative ones too, which would wrap) reads NaN
+            outside = (tokens < 0) | (tokens >= c.vocab_size)
+            ids = jnp.where(outside, c.vocab_size, tokens)
+            emb = jnp.take(self.embed_tokens, ids, axis=0, mode="fill", fill_value=jnp.nan)
+            return emb.astype(c.compute_jnp_dtype)
 
     def _trunk(self, emb, head, return_routing: bool):
         """(head(final normed h), head of each MTP depth's normed h or None, MoE stats, MTP
@@ -202,6 +211,8 @@ def check_tokens(tokens: ArrayLike, config: DeepSeekV3Config) -> None:
     t = np.asarray(tokens)
     if t.ndim != 2:
         raise ValueError(f"tokens must be [batch seq], got shape {t.shape}")
+    if 0 in t.shape:
+        raise ValueError(f"tokens must hold at least one token, got shape {t.shape}")
     if not np.issubdtype(t.dtype, np.integer):
         raise ValueError(f"tokens must be integers, got dtype {t.dtype}")
     if t.shape[1] > config.max_position_embeddings:

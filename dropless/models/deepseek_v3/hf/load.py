@@ -156,8 +156,15 @@ def _plan(
         m = LAYER.match(name)
         return ignore_from_layer is not None and m is not None and int(m[1]) >= ignore_from_layer
 
+    def empty(name: str) -> bool:  # what transformers writes for an absent part (width 0)
+        return 0 in ckpt.info(name).shape
+
     consumed = set(scales.values())
-    unexpected = [n for n in ckpt.where if n not in table and n not in consumed and not ignored(n)]
+    unexpected = [
+        n
+        for n in ckpt.where
+        if n not in table and n not in consumed and not ignored(n) and not empty(n)
+    ]
     if missing:
         problems.append(f"missing tensors: {_listing(missing)}")
     if unexpected:

@@ -1,0 +1,204 @@
+"""Fault injection: SIGKILL `dropless train` at random moments, resume until done, and check
+that nothing was lost, duplicated or changed.
+
+    python benchmarks/fault_injection.py                  # 20 kills (the default)
+    python benchmarks/fault_injection.py --kills 100 --seed 1
+
+A reference run trains the tiny preset uninterrupted. Then rounds: each starts a fresh run
+directory and kills its process again and again, at a random moment (half of the kills at a
+random time after launch: start-up, restore, compile; half once the run has logged a step:
+training, checkpointing, evaluation), resuming (`--resume`, or afresh before any checkpoint)
+until a process finishes. Each finished round must hold every step in `metrics.jsonl` exactly
+once, every loss bit for bit equal to the reference's, and the final checkpoint. Prints the
+figures and writes them, with the command and commit, to
+benchmarks/results/fault_injection_cpu.json.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train_args(steps: int, checkpoint_every: int) -> list[str]:
+    return [
+        sys.executable, "-m", "dropless", "train",
+        "--steps", str(steps), "--batch-size", "4", "--seq-len", "16", "--warmup-steps", "2",
+        "--eval-every", "10", "--eval-batches", "1", "--checkpoint-every", str(checkpoint_every),
+        "--backend", "jnp", "--no-progress", "--no-plots",
+    ]  # fmt: skip
+
+
+def read_records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def last_step(path: str) -> int:
+    """The last training step logged in `path` (0: none)."""
+    steps = [r["step"] for r in read_records(path) if r.get("split") == "train"]
+    return max(steps, default=0)
+
+
+def has_checkpoint(out_dir: str) -> bool:
+    directory = os.path.join(out_dir, "checkpoints")
+    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+
+def launch(args: list[str], out_dir: str, env: dict, log) -> subprocess.Popen:
+    resume = ["--resume"] if has_checkpoint(out_dir) else []
+    return subprocess.Popen(
+        [*args, "--out-dir", out_dir, *resume], cwd=REPO, env=env, stdout=log, stderr=log
+    )
+
+
+def kill_at_random(
+    process: subprocess.Popen, out_dir: str, rng: random.Random, spans: tuple[float, float]
+):
+    """Waits for a random moment, then SIGKILLs `process`; returns the phase it was killed in,
+    or None if it ended first. `spans`: the reference run's start-up (launch to first logged
+    step) and training (first logged step to exit) times."""
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    if rng.random() < 0.5:
+        phase, deadline = "start", time.time() + rng.uniform(0.0, spans[0])
+    else:  # once a step is logged by this process: training, checkpoints, evaluations
+        phase, deadline = "train", None
+        before = last_step(metrics)
+    while process.poll() is None:
+        if deadline is None and last_step(metrics) > before:
+            deadline = time.time() + rng.uniform(0.0, spans[1])
+        if deadline is not None and time.time() >= deadline:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            return phase
+        time.sleep(0.05)
+    return None
+
+
+def check(out_dir: str, reference: dict[int, float], steps: int) -> dict:
+    train = [
+        r for r in read_records(os.path.join(out_dir, "metrics.jsonl")) if r.get("split") == "train"
+    ]
+    seen = [r["step"] for r in train]
+    return {
+        "lost": len(set(range(1, steps + 1)) - set(seen)),
+        "duplicated": len(seen) - len(set(seen)),
+        "mismatches": sum(r["loss"] != reference.get(r["step"]) for r in train),
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=20, help="SIGKILLs in all (default 20)")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--checkpoint-every", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--out", default=os.path.join(REPO, "benchmarks/results/fault_injection_cpu.json")
+    )
+    parser.add_argument("--workdir", default=None, help="default: a temporary directory")
+    opts = parser.parse_args(argv)
+    rng = random.Random(opts.seed)
+    work = opts.workdir or tempfile.mkdtemp(prefix="dropless-faults-")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO,
+           "JAX_COMPILATION_CACHE_DIR": os.path.join(work, "jax-cache")}  # fmt: skip
+    args = train_args(opts.steps, opts.checkpoint_every)
+    log = open(os.path.join(work, "log.txt"), "ab")  # noqa: SIM115
+
+    began = time.time()
+    ref_dir = os.path.join(work, "reference")
+    reference_run = subprocess.Popen(
+        [*args, "--out-dir", ref_dir], cwd=REPO, env=env, stdout=log, stderr=log
+    )
+    first_step = None
+    while reference_run.poll() is None:
+        if first_step is None and last_step(os.path.join(ref_dir, "metrics.jsonl")) > 0:
+            first_step = time.time()
+        time.sleep(0.05)
+    if reference_run.returncode != 0:
+        raise SystemExit(f"the reference run failed; see {work}/log.txt")
+    first_step = first_step or time.time()
+    spans = (first_step - began, time.time() - first_step)
+    ref_records = read_records(os.path.join(ref_dir, "metrics.jsonl"))
+    reference = {r["step"]: r["loss"] for r in ref_records if r["split"] == "train"}
+
+    totals = {"kills": 0, "resumes": 0, "rounds": 0, "lost": 0, "duplicated": 0, "mismatches": 0,
+              "failed_processes": 0, "kills_by_phase": {"start": 0, "train": 0}}  # fmt: skip
+    while totals["kills"] < opts.kills:
+        out_dir = os.path.join(work, f"round{totals['rounds']}")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        totals["rounds"] += 1
+        while True:
+            if has_checkpoint(out_dir):
+                totals["resumes"] += 1
+            process = launch(args, out_dir, env, log)
+            phase = (
+                kill_at_random(process, out_dir, rng, spans)
+                if totals["kills"] < opts.kills
+                else None
+            )
+            if phase is None:
+                process.wait()
+                if process.returncode != 0:
+                    totals["failed_processes"] += 1
+                    if totals["failed_processes"] > 3:
+                        raise SystemExit(f"dropless train failed; see {work}/log.txt")
+                    continue
+                break
+            totals["kills"] += 1
+            totals["kills_by_phase"][phase] += 1
+            print(f"kill {totals['kills']} ({phase}) in round {totals['rounds']}", flush=True)
+        for name, value in check(out_dir, reference, opts.steps).items():
+            totals[name] += value
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    argv_text = " ".join(argv if argv is not None else sys.argv[1:])
+    figures = {**totals, "wall_s": round(time.time() - began, 1)}
+    result = {
+        "meta": {
+            "benchmark": "fault_injection",
+            "machine": "cpu",
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": commit.stdout.strip(),
+            "command": f"python benchmarks/fault_injection.py {argv_text}".strip(),
+            "setup": " ".join(["dropless", *args[3:]]) + " --out-dir DIR [--resume]",
+            "source": None,
+        },
+        "rows": [
+            {
+                "steps": opts.steps,
+                "checkpoint_every": opts.checkpoint_every,
+                "seed": opts.seed,
+                **figures,
+            }
+        ],  # fmt: skip
+    }
+    print(json.dumps(result, indent=1))
+    os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
+    with open(opts.out, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    if opts.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+if __name__ == "__main__":
+    row = main()["rows"][0]
+    sys.exit(1 if row["lost"] or row["duplicated"] or row["mismatches"] else 0)
