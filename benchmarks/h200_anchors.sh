@@ -6,7 +6,8 @@
 #   gmm2   the same at 256x256 and 256x128
 #   layer  MoE layer fwd+bwd over a dense SwiGLU of equal active FLOPs, 8192-32768 tokens
 # Every strategy is timed beside the dense reference in the same process (bench_moe.py).
-# Carry: .whl (tokamax 0.0.12 with --no-deps, its needs, typeguard 2.13.3) and, for TE, the
+# Carry: .whl (benchmarks/stage_tokamax.sh fills it), .git-rev (`git rev-parse --short HEAD`)
+# and, for TE, .te/env.sh after staging the
 # .te parts as ../shared/device/README.md says. Everything lands under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
