@@ -2,6 +2,8 @@
 (several configs), greedy generate == a naive argmax loop, sampling settings and
 reproducibility, one compilation per length bucket, equal-length prompts."""
 
+import importlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,6 @@ import numpy as np
 import pytest
 
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
-from dropless.models.deepseek_v3 import generate as gen
 from dropless.models.deepseek_v3.generate import (
     decode_step,
     generate,
@@ -18,6 +19,9 @@ from dropless.models.deepseek_v3.generate import (
     sample,
 )
 from dropless.models.deepseek_v3.kv_cache import init_cache
+
+# the module (the package re-exports its function `generate` under the same name)
+gen = importlib.import_module("dropless.models.deepseek_v3.generate")
 
 BATCH, SEQ, PREFIX = 2, 20, 7
 

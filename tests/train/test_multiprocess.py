@@ -40,6 +40,7 @@ CONFIG = TrainConfig(
     eval_every=0,
     eval_batches=1,
     checkpoint_every=10,
+    data="synthetic",
     plots=False,
     mesh=MESH,
 )
@@ -52,6 +53,8 @@ FLAGS = [
     "--eval-every", "0",
     "--eval-batches", "1",
     "--checkpoint-every", "10",
+    "--data", "synthetic",
+    "--no-sample",
     "--no-plots",
     "--no-progress",
     "--no-compile-cache",
