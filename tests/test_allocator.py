@@ -59,6 +59,7 @@ def _median_fresh_mib_per_call(mode: str) -> tuple[str, float]:
 
 
 @pytest.mark.skipif(not GLIBC_LINUX, reason="glibc's allocator only")
+@pytest.mark.slow
 def test_a_freed_large_buffer_is_reused_instead_of_faulted_in():
     applied, kept_mib = _median_fresh_mib_per_call("keep")
     assert applied == "True"

@@ -38,6 +38,7 @@ def _is_png(path) -> bool:
         return f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_train_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main(["train", *SMALL_RUN, "--out-dir", str(out)]) == 0
@@ -129,6 +130,7 @@ def test_the_vocabulary_comes_from_the_data_unless_given(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_resume_continues_the_run_with_its_own_config(tmp_path, capsys):
     out = tmp_path / "small-run"
     narrow = ["--model.n-routed-experts", "8", "--model.num-experts-per-tok", "2"]

@@ -19,6 +19,7 @@ def python_blocks(page: str) -> list[str]:
 
 
 @pytest.mark.parametrize("page", TUTORIALS)
+@pytest.mark.slow
 def test_tutorial_code_blocks_run(page, tmp_path, monkeypatch):
     blocks = python_blocks(page)
     assert blocks, f"{page} has no python code blocks"

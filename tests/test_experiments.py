@@ -47,6 +47,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_experiment_runs(name, tmp_path):
     argv, min_rows = CASES[name]
     returned = load(name).main([*argv, "--out", str(tmp_path)])
@@ -515,6 +516,7 @@ def test_cross_entropy_bench_times_each_forward(tmp_path, monkeypatch):
     assert [r["fwd / two passes"] for r in rows if r["variant"] == "two passes"] == [1.0]
 
 
+@pytest.mark.slow
 def test_swiglu_epilogue_bench_in_the_interpreter(tmp_path, monkeypatch):
     """bench_swiglu_epilogue on the CPU through Mosaic GPU's interpreter (one tiny case): both
     paths timed, their hidden outputs within bf16 rounding, and its result files."""

@@ -93,6 +93,7 @@ _grads = eqx.filter_jit(eqx.filter_grad(lambda mx, probe, forward: _loss(*mx, pr
 
 @settings(max_examples=12)
 @given(moe_case())
+@pytest.mark.slow
 def test_backend_equals_oracle(backend_name, case):
     moe, x = build(*case, backend=backend_name)
     probe = jax.random.normal(jax.random.key(7), x.shape)

@@ -81,6 +81,7 @@ def _interpret(monkeypatch):
 @pytest.mark.parametrize(
     ("chain", "tile_k", "stages"), [(False, 64, 2), (True, 64, 2), (True, 32, 4)]
 )
+@pytest.mark.slow
 def test_kernel_equals_each_groups_matmul_in_the_interpreter(monkeypatch, chain, tile_k, stages):
     """Uneven groups, an empty one, a block shared by three groups, and rows that fill no
     whole block (the last group's weights cover them). The input-gradient form (`transpose_rhs`)
@@ -108,6 +109,7 @@ def test_kernel_equals_each_groups_matmul_in_the_interpreter(monkeypatch, chain,
 
 
 @pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.slow
 def test_swiglu_kernel_equals_the_matmul_and_its_swiglu_in_the_interpreter(monkeypatch, scaled):
     """`grouped_matmul_swiglu` on uneven groups (an empty one, a block shared by three): the
     gate-and-up output equals the plain product with the interleaved weights, and the hidden

@@ -479,6 +479,7 @@ def leaf_at(tree, path: str) -> np.ndarray:
     return np.asarray(leaves[leaf])[tuple(int(i) for i in indices)]
 
 
+@pytest.mark.slow
 def test_public_name_mapping(saved):
     """`hf_names` / `dropless_names`: every tensor the export writes has exactly one name in
     the mapping; the two round-trip; `to_hf` gives the files' tensors, each the mapped leaf (or

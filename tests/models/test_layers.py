@@ -62,6 +62,7 @@ def test_every_stacked_weight_used_in_the_compute_dtype_is_cast():
 
 
 @pytest.mark.parametrize("unroll", [False, True])
+@pytest.mark.slow
 def test_cast_stacks_keep_values_and_gradients(unroll, monkeypatch):
     """Against the blocks' own per-layer casts (the cast-up-front taken out): the same loss
     and bitwise the same gradients, since a bf16 gradient cast to float32 is exact and a

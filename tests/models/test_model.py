@@ -193,6 +193,7 @@ def test_full_gradient(value_and_grad):
     assert np.all(np.asarray(moe.router.expert_bias) == 0)
 
 
+@pytest.mark.slow
 def test_capacity_gradients_agree_with_chunked_under_scan(model, tokens, value_and_grad):
     """The two pure-jnp grouped matmuls, each a hand-written custom VJP, give the same model
     gradients inside the scanned layers (TE's permutation did not), with rows overflowing
@@ -232,6 +233,7 @@ def test_expert_bias_update(model, tokens, forward):
 
 
 @pytest.mark.parametrize("policy", ["full", "dots"])
+@pytest.mark.slow
 def test_remat_keeps_values_and_gradients(policy, model, tokens, value_and_grad):
     remat = DeepSeekV3(model.config.replace(remat=policy), key=jax.random.key(0))  # same params
     loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(remat, tokens)
@@ -340,6 +342,7 @@ def test_bad_tokens(model):
         jax.jit(lambda t: model(t))(jnp.zeros((1, 513), jnp.int32))
 
 
+@pytest.mark.slow
 def test_return_routing_gives_every_moe_layers_routing(model, tokens):
     """`return_routing=True`: each MoE layer's (and MTP block's) expert ids and weights, stacked
     [layers batch*seq k], are its router's on that layer's input; the logits do not change, and

@@ -41,6 +41,7 @@ def test_slices_are_strided_and_must_divide_the_batch():
 
 
 @pytest.mark.parametrize("micro_batches", [2, 4])
+@pytest.mark.slow
 def test_accumulated_gradients_equal_the_one_pass_gradients(micro_batches):
     model = DeepSeekV3(MODEL, key=jax.random.key(0))
     params, frozen = eqx.partition(model, optim.trainable_filter(model))
@@ -69,6 +70,7 @@ def test_accumulated_gradients_equal_the_one_pass_gradients(micro_batches):
         np.testing.assert_allclose(m, g, rtol=0, atol=1e-5 * float(jnp.abs(g).max()) + 1e-9)
 
 
+@pytest.mark.slow
 def test_train_step_in_micro_batches_matches_one_pass(monkeypatch):
     from dropless.train import step as step_module
 

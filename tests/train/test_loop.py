@@ -81,6 +81,7 @@ def _without_timing(record: dict) -> dict:
     return {k: v for k, v in record.items() if k not in ("step_time", "tokens_per_s", "mfu")}
 
 
+@pytest.mark.slow
 def test_loss_decreases_on_the_synthetic_corpus(tmp_path):
     results = train(TINY, config(), backend="jnp", out_dir=str(tmp_path))
     ce = [r["ce"] for r in results.records]

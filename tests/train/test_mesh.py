@@ -38,6 +38,7 @@ def config(**changes) -> TrainConfig:
     return dataclasses.replace(base, **changes)
 
 
+@pytest.mark.slow
 def test_mesh_run_equals_single_device_run_and_resumes(tmp_path):
     single = train(MODEL, config(), out_dir=str(tmp_path / "single"))
 
@@ -68,6 +69,7 @@ def test_mesh_run_equals_single_device_run_and_resumes(tmp_path):
     assert len(resumed.model.moe_layers.mlp.router.expert_bias.sharding.device_set) == 8
 
 
+@pytest.mark.slow
 def test_mesh_run_in_micro_batches_equals_single_device_run(tmp_path):
     """Batch 16 in two micro-batches of 8 (strided slices of the sharded batch): the losses and
     loads of one pass over the batch on one device."""
@@ -79,6 +81,7 @@ def test_mesh_run_in_micro_batches_equals_single_device_run(tmp_path):
         np.testing.assert_allclose(micro.final_eval[name], single.final_eval[name], rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_mesh_run_with_the_loss_in_chunks_equals_single_device_run(tmp_path):
     """`loss_chunk` on a mesh (each shard's positions walked in chunks of 12, which divides no
     power of two, so every shard's last chunk is padded): the losses and loads of the one-pass
@@ -106,6 +109,7 @@ def test_bad_meshes_are_clear_errors(tmp_path, model_changes, changes, mesh, mes
         train(model, config(**changes), out_dir=str(tmp_path), mesh=mesh)
 
 
+@pytest.mark.slow
 def test_cli_mesh_smoke_run(tmp_path, capsys):
     out = tmp_path / "run"
     args = [

@@ -190,6 +190,7 @@ def test_deepseek_v3_tiny_sharded_gradient_step_equals_unsharded(unroll):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow
 def test_sharded_train_step_equals_train_step():
     """`sharded_train_step` (AdamW, expert-bias update, every kind of mesh axis) against
     `train_step` on one device: the same metrics, and the arrays stay placed on the mesh."""

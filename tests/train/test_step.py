@@ -43,6 +43,7 @@ def biases(model: DeepSeekV3) -> list[np.ndarray]:
     ]
 
 
+@pytest.mark.slow
 def test_loss_is_the_weighted_sum_of_its_terms():
     model = DeepSeekV3(get_preset("tiny"), key=jax.random.key(0))
     terms, out = loss_terms(model, tokens())
@@ -61,6 +62,7 @@ def test_loss_is_the_weighted_sum_of_its_terms():
     np.testing.assert_allclose(total_loss(terms, hparams(config)), expected, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_expert_bias_gets_no_gradient_and_no_weight_decay():
     model = biased_model()
     before = biases(model)
@@ -73,6 +75,7 @@ def test_expert_bias_gets_no_gradient_and_no_weight_decay():
     assert float(metrics["grad_norm"]) > 0 and int(state.step) == 1
 
 
+@pytest.mark.slow
 def test_bfloat16_parameters_stay_bfloat16():
     # AdamW's updates are float32 (float32 moments): added as they are, every bf16 parameter
     # would come back float32 after the first step
@@ -118,6 +121,7 @@ def loss_value_and_grad(model, batch):
     return total_loss(terms, hparams(TrainConfig())), (terms, out)
 
 
+@pytest.mark.slow
 def test_loss_in_chunks_equals_the_loss_on_whole_logits():
     """`loss_chunk`: the model's features and the chunked head + loss give the same loss terms
     (main and MTP) and the same gradient of every parameter as the logits made at once; the
@@ -139,6 +143,7 @@ def test_loss_in_chunks_equals_the_loss_on_whole_logits():
     np.testing.assert_allclose(plain.head(features.hidden), logits, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_logits_train_within_their_rounding():
     """`logits_dtype="bfloat16"` in the loss of a bf16-compute model: the loss terms within the
     logits' rounding of the float32 logits' terms (2^-9 of the largest logit, twice), and every
