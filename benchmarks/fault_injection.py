@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from dropless.train.metrics import read_jsonl
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -38,16 +40,8 @@ def train_args(steps: int, checkpoint_every: int) -> list[str]:
 
 
 def read_records(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
+    """The records of a metrics file (none before it exists; a torn last line is skipped)."""
+    return read_jsonl(path) if os.path.exists(path) else []
 
 
 def last_step(path: str) -> int:
