@@ -13,6 +13,8 @@ _FLAGS = "--xla_force_host_platform_device_count=8"
 if not os.path.exists("/dev/nvidia0"):
     _FLAGS += " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("XLA_FLAGS", _FLAGS)
+# What the `default_xla_jit` fixture gives back to one compilation.
+_XLA_DEFAULTS = {"xla_cpu_use_fusion_emitters": True}
 
 import contextlib  # noqa: E402
 import gc  # noqa: E402
@@ -138,6 +140,17 @@ def _lowered(fn, *args, platform: str) -> str:
 def lowered():
     """fn, *args, platform= -> the program jit(fn) lowers to for that platform (see _lowered)."""
     return _lowered
+
+
+@pytest.fixture
+def default_xla_jit():
+    """fn -> eqx.filter_jit(fn) compiled with XLA's default CPU fusion emitters, as training
+    compiles it: for the few comparisons of two algorithms whose float32 rounding noise sits
+    near their tolerance, where the emitters of the tests' fast compiles round differently
+    (gradients of two grouped matmuls: 9 of 32,768 elements 6e-6 apart, tolerance 1e-6)."""
+    import equinox as eqx
+
+    return lambda fn: eqx.filter_jit(fn, compiler_options=_XLA_DEFAULTS)
 
 
 def _unchecked(fn):

@@ -194,7 +194,9 @@ def test_full_gradient(value_and_grad):
 
 
 @pytest.mark.slow
-def test_capacity_gradients_agree_with_chunked_under_scan(model, tokens, value_and_grad):
+def test_capacity_gradients_agree_with_chunked_under_scan(
+    model, tokens, value_and_grad, default_xla_jit
+):
     """The two pure-jnp grouped matmuls, each a hand-written custom VJP, give the same model
     gradients inside the scanned layers (TE's permutation did not), with rows overflowing
     jnp-capacity's slots."""
@@ -208,8 +210,8 @@ def test_capacity_gradients_agree_with_chunked_under_scan(model, tokens, value_a
         probe = jax.random.normal(jax.random.key(6), out.logits.shape)
         return jnp.sum(out.logits * probe) + jnp.sum(out.mtp_logits * probe[None])
 
-    want = eqx.filter_jit(eqx.filter_grad(probe_loss))(model, long_tokens)
-    got = eqx.filter_jit(eqx.filter_grad(probe_loss))(swapped, long_tokens)
+    want = default_xla_jit(eqx.filter_grad(probe_loss))(model, long_tokens)
+    got = default_xla_jit(eqx.filter_grad(probe_loss))(swapped, long_tokens)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(
