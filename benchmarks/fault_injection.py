@@ -64,25 +64,33 @@ def launch(args: list[str], out_dir: str, env: dict, log) -> subprocess.Popen:
 
 def kill_at_random(
     process: subprocess.Popen, out_dir: str, rng: random.Random, spans: tuple[float, float]
-):
-    """Waits for a random moment, then SIGKILLs `process`; returns the phase it was killed in,
-    or None if it ended first. `spans`: the reference run's start-up (launch to first logged
-    step) and training (first logged step to exit) times."""
+) -> tuple[str | None, tuple[float, float]]:
+    """Waits for a random moment, then SIGKILLs `process`. Returns the phase it was killed in
+    (None if it ended first) and its own spans (launch to first logged step, first logged step
+    to exit; measured up to the kill). `spans`: those of the last uninterrupted fresh run, so
+    that the moments fall within a run as long as this one will be (a run whose programs are
+    in the compile cache starts in a fraction of the time of the first, cold one)."""
     metrics = os.path.join(out_dir, "metrics.jsonl")
+    launched, first = time.time(), None
+    before = last_step(metrics)
     if rng.random() < 0.5:
-        phase, deadline = "start", time.time() + rng.uniform(0.0, spans[0])
+        phase, deadline = "start", launched + rng.uniform(0.0, spans[0])
     else:  # once a step is logged by this process: training, checkpoints, evaluations
         phase, deadline = "train", None
-        before = last_step(metrics)
     while process.poll() is None:
-        if deadline is None and last_step(metrics) > before:
-            deadline = time.time() + rng.uniform(0.0, spans[1])
+        if first is None and last_step(metrics) > before:
+            first = time.time()
+            if deadline is None:
+                deadline = first + rng.uniform(0.0, spans[1])
         if deadline is not None and time.time() >= deadline:
             process.send_signal(signal.SIGKILL)
             process.wait()
-            return phase
+            break
         time.sleep(0.05)
-    return None
+    else:
+        phase = None
+    first = first or time.time()
+    return phase, (first - launched, time.time() - first)
 
 
 def check(out_dir: str, reference: dict[int, float], steps: int) -> dict:
@@ -139,14 +147,14 @@ def main(argv=None) -> dict:
         shutil.rmtree(out_dir, ignore_errors=True)
         totals["rounds"] += 1
         while True:
-            if has_checkpoint(out_dir):
-                totals["resumes"] += 1
+            resumed = has_checkpoint(out_dir)
+            totals["resumes"] += resumed
             process = launch(args, out_dir, env, log)
-            phase = (
-                kill_at_random(process, out_dir, rng, spans)
-                if totals["kills"] < opts.kills
-                else None
-            )
+            phase = None
+            if totals["kills"] < opts.kills:
+                phase, observed = kill_at_random(process, out_dir, rng, spans)
+                if phase is None and not resumed and process.returncode == 0:
+                    spans = observed
             if phase is None:
                 process.wait()
                 if process.returncode != 0:
