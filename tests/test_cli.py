@@ -7,10 +7,7 @@ import ast
 import dataclasses
 import inspect
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -25,12 +22,14 @@ from dropless.models.deepseek_v3 import PRESETS, DeepSeekV3Config, get_preset
 from dropless.train.checkpoint import Checkpointer
 from dropless.train.config import TrainConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(dropless.__file__)))
 SMALL_RUN = [
     "--steps", "6", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "2",
     "--eval-every", "3", "--eval-batches", "1", "--checkpoint-every", "3",
     "--backend", "jnp", "--no-progress", "--no-compile-cache", "--data", "synthetic",
 ]  # fmt: skip
+# Where the preset's architecture is not what a test checks: two layers and no MTP module,
+# which compile in half the time.
+SMALLER = ["--model.num-hidden-layers", "2", "--model.num-nextn-predict-layers", "0"]
 
 
 def _is_png(path) -> bool:
@@ -90,7 +89,7 @@ def test_default_trains_on_stdlib_text_and_prints_a_sample(tmp_path, capsys):
     args = [
         "train", "--steps", "2", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "1",
         "--eval-batches", "1", "--backend", "jnp", "--no-progress", "--no-compile-cache",
-        "--no-plots", "--out-dir", str(out),
+        "--no-plots", "--out-dir", str(out), *SMALLER,
     ]  # fmt: skip
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
@@ -133,7 +132,7 @@ def test_the_vocabulary_comes_from_the_data_unless_given(tmp_path, capsys):
 @pytest.mark.slow
 def test_resume_continues_the_run_with_its_own_config(tmp_path, capsys):
     out = tmp_path / "small-run"
-    narrow = ["--model.n-routed-experts", "8", "--model.num-experts-per-tok", "2"]
+    narrow = ["--model.n-routed-experts", "8", "--model.num-experts-per-tok", "2", *SMALLER]
     assert cli.main(["train", *SMALL_RUN, "--steps", "3", *narrow, "--out-dir", str(out)]) == 0
     capsys.readouterr()
     # the README's form: no model or training options, only more steps
@@ -319,17 +318,15 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def _train_help(flag: str) -> str:
-    run = subprocess.run(
-        [sys.executable, "-m", "dropless", "train", flag],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO, "COLUMNS": "80"},
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    return run.stdout
+def _train_help(flag: str, capsys, monkeypatch) -> str:
+    """What `dropless train FLAG` prints on an 80-column terminal (and exits 0)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", flag])
+    printed = capsys.readouterr()
+    assert exit_.value.code == 0, printed.err
+    return printed.out
 
 
 COMMON_FLAGS = (
@@ -338,14 +335,14 @@ COMMON_FLAGS = (
 )  # fmt: skip
 
 
-def test_help_fits_a_screen_and_names_the_common_options(capsys):
+def test_help_fits_a_screen_and_names_the_common_options(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--help"])
     assert exit_.value.code == 0
     top = capsys.readouterr().out
     assert "train" in top and "presets" in top
 
-    text = _train_help("--help")
+    text = _train_help("--help", capsys, monkeypatch)
     lines = text.splitlines()
     assert len(lines) <= 60, len(lines)
     assert all(len(line) <= 80 for line in lines), max(lines, key=len)
@@ -355,8 +352,8 @@ def test_help_fits_a_screen_and_names_the_common_options(capsys):
     assert "--model.hidden-size" not in text  # the rest: --help-all
 
 
-def test_help_all_explains_every_option_in_whole_sentences(capsys):
-    text = _train_help("--help-all")
+def test_help_all_explains_every_option_in_whole_sentences(capsys, monkeypatch):
+    text = _train_help("--help-all", capsys, monkeypatch)
     assert all(len(line) <= 80 for line in text.splitlines()), max(text.splitlines(), key=len)
     flat = " ".join(text.split())
     for flag in (
@@ -381,8 +378,9 @@ def test_help_all_explains_every_option_in_whole_sentences(capsys):
     assert tyro_flags and tyro_flags <= set(re.findall(r"--\w[\w.-]*", flat))
 
 
-def test_help_shows_the_defaults_of_the_preset():
-    assert "(default: 16)" in _train_help("--help")  # the tiny preset's batch size
+def test_help_shows_the_defaults_of_the_preset(capsys, monkeypatch):
+    # the tiny preset's batch size
+    assert "(default: 16)" in _train_help("--help", capsys, monkeypatch)
 
 
 def test_presets_lists_sizes(capsys):

@@ -2,6 +2,7 @@
 their gradients stacked in that dtype behind a barrier (the gradients are those of the plain
 per-layer casts); unrolled, the stacked gradients written slice by slice."""
 
+import functools
 from collections import Counter
 
 import equinox as eqx
@@ -14,7 +15,9 @@ from dropless.models.deepseek_v3 import DeepSeekV3, get_preset, layers
 
 
 def _bf16_model(**changes):
-    config = get_preset("tiny", compute_dtype="bfloat16", **changes)
+    # Three layers, not the preset's four: still a dense stack and a stack of two MoE layers,
+    # and an unrolled model compiles quicker.
+    config = get_preset("tiny", compute_dtype="bfloat16", num_hidden_layers=3, **changes)
     return DeepSeekV3(config, key=jax.random.key(0))
 
 
@@ -70,11 +73,14 @@ def test_cast_stacks_keep_values_and_gradients(unroll, monkeypatch):
     model = _bf16_model(unroll_layers=unroll)
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 512)
 
+    arrays, static = eqx.partition(model, eqx.is_array)
+
     def run():
-        # A fresh function each time: a cached trace would not see the patch below.
-        grad = eqx.filter_value_and_grad(lambda m, t: _loss(m, t))
-        jaxpr = jax.make_jaxpr(grad)(model, tokens)
-        return Counter(_barriers(jaxpr.jaxpr)), eqx.filter_jit(grad)(model, tokens)
+        # A fresh function each time: a cached trace would not see the patch below. One trace
+        # gives both the program's equations and what it computes.
+        grad = eqx.filter_value_and_grad(_loss)
+        traced = jax.jit(lambda a, t: grad(eqx.combine(a, static), t)).trace(arrays, tokens)
+        return Counter(_barriers(traced.jaxpr.jaxpr)), traced.lower().compile()(arrays, tokens)
 
     cast_barriers, (loss, grads) = run()
     monkeypatch.setattr(layers, "matmul_weights_cast", lambda arrays, dtype: arrays)
@@ -88,26 +94,36 @@ def test_cast_stacks_keep_values_and_gradients(unroll, monkeypatch):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+@pytest.fixture(scope="module")
+def grad_jaxpr():
+    """(unroll, remat) -> the bf16 model with those settings and the jaxpr of its gradient on
+    a sequence of 8 tokens, traced once for the tests that read the same one."""
+
+    @functools.cache
+    def trace(unroll: bool, remat: str):
+        model = _bf16_model(unroll_layers=unroll, remat=remat)
+        return model, jax.make_jaxpr(eqx.filter_grad(_loss))(model, jnp.zeros((1, 8), jnp.int32))
+
+    return trace
+
+
 @pytest.mark.parametrize("remat", ["none", "full"])
-def test_stacked_gradients_pass_a_barrier(remat):
+def test_stacked_gradients_pass_a_barrier(remat, grad_jaxpr):
     """A stacked gradient is assembled from per-layer ones (by slice updates when unrolled);
     it is materialised behind a barrier, in bf16 when the weights were cast up front (no
     remat), else in their own float32."""
-    model = _bf16_model(unroll_layers=True, remat=remat)
-    tokens = jnp.zeros((1, 8), jnp.int32)
-    jaxpr = jax.make_jaxpr(eqx.filter_grad(_loss))(model, tokens)
+    model, jaxpr = grad_jaxpr(True, remat)
     dtype = jnp.dtype(jnp.bfloat16 if remat == "none" else jnp.float32)
     stacked = {(leaf.shape, dtype) for leaf in _stacked_matmul_weights(model)}
     seen = Counter(_barriers(jaxpr.jaxpr))
     assert len(stacked) >= 5 and all(seen[s] >= 1 for s in stacked)
 
 
-def test_unrolled_stacked_gradients_are_written_slice_by_slice():
+def test_unrolled_stacked_gradients_are_written_slice_by_slice(grad_jaxpr):
     """Unrolled, no stacked gradient is a concatenation of the layers' (a slow fused kernel
     on a GPU); each is a chain of in-place slice updates."""
-    model = _bf16_model(unroll_layers=True)
+    model, jaxpr = grad_jaxpr(True, "none")
     stacked = {leaf.shape for leaf in _stacked_matmul_weights(model)}
-    jaxpr = jax.make_jaxpr(eqx.filter_grad(_loss))(model, jnp.zeros((1, 8), jnp.int32))
     built = Counter(
         (eqn.primitive.name, eqn.outvars[0].aval.shape)
         for eqn in _eqns(jaxpr.jaxpr)
@@ -120,13 +136,12 @@ def test_unrolled_stacked_gradients_are_written_slice_by_slice():
         assert built["dynamic_update_slice", shape] >= n_layers, shape
 
 
-def test_unrolled_remat_keeps_recomputation_apart():
+def test_unrolled_remat_keeps_recomputation_apart(grad_jaxpr):
     """Unrolled layers are straight-line code, so their remat must ask XLA not to merge the
     recomputation with the forward (`prevent_cse`); inside a scan it need not."""
 
     def prevent_cse(unroll):
-        model = _bf16_model(unroll_layers=unroll, remat="full")
-        jaxpr = jax.make_jaxpr(eqx.filter_grad(_loss))(model, jnp.zeros((1, 8), jnp.int32))
+        _, jaxpr = grad_jaxpr(unroll, "full")
         return {e.params["prevent_cse"] for e in _eqns(jaxpr.jaxpr) if "prevent_cse" in e.params}
 
     # (Stacks that are scanned either way, such as the MTP block's, keep False.)
@@ -137,7 +152,6 @@ def test_unrolled_remat_keeps_recomputation_apart():
 def test_latent_norms_keep_their_own_epsilon():
     # DeepSeek's and transformers' MLA build q_a_layernorm and kv_a_layernorm with eps 1e-6,
     # whatever rms_norm_eps; the other norms follow the config
-    model = DeepSeekV3(get_preset("tiny", rms_norm_eps=1e-2), key=jax.random.key(0))
-    block = model.moe_layers
+    block = _bf16_model(rms_norm_eps=1e-2).moe_layers
     assert block.input_layernorm.eps == block.post_attention_layernorm.eps == 1e-2
     assert block.self_attn.q_a_layernorm.eps == block.self_attn.kv_a_layernorm.eps == 1e-6

@@ -34,9 +34,12 @@ def jaxtyping_disabled():
         jaxtyping.config.update("jaxtyping_disable", False)
 
 
+# The module's fixtures run outside conftest.py's full_float32_matmuls: they compute at the
+# tests' precision themselves, for the tests to compare with and to reuse their programs.
 @pytest.fixture(scope="module")
 def model():
-    return DeepSeekV3(get_preset("tiny"), key=jax.random.key(0))
+    with jax.default_matmul_precision("highest"):
+        return DeepSeekV3(get_preset("tiny"), key=jax.random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +174,8 @@ def test_mtp_targets():
 
 @pytest.fixture(scope="module")
 def value_and_grad(model, tokens):
-    return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, tokens)
+    with jax.default_matmul_precision("highest"):
+        return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, tokens)
 
 
 def test_full_gradient(value_and_grad):
@@ -202,16 +206,16 @@ def test_capacity_gradients_agree_with_chunked_under_scan(
     jnp-capacity's slots."""
     swapped = with_backend(model, "jnp-capacity")
     long_tokens = jax.random.randint(jax.random.key(5), (4, 48), 0, 512)  # 384 copies, 16 experts
-    loads = eqx.filter_jit(lambda m, t: m(t).moe_stats.tokens_per_expert)(model, long_tokens)
-    assert int(loads.max()) > 30  # past the 1.25 x 24 = 30 slots: the overflow loop runs
 
-    def probe_loss(m, t):
+    def probe_loss(m, t):  # and the loads, from the same pass
         out = m(t)
         probe = jax.random.normal(jax.random.key(6), out.logits.shape)
-        return jnp.sum(out.logits * probe) + jnp.sum(out.mtp_logits * probe[None])
+        loss = jnp.sum(out.logits * probe) + jnp.sum(out.mtp_logits * probe[None])
+        return loss, out.moe_stats.tokens_per_expert
 
-    want = default_xla_jit(eqx.filter_grad(probe_loss))(model, long_tokens)
-    got = default_xla_jit(eqx.filter_grad(probe_loss))(swapped, long_tokens)
+    want, loads = default_xla_jit(eqx.filter_grad(probe_loss, has_aux=True))(model, long_tokens)
+    assert int(loads.max()) > 30  # past the 1.25 x 24 = 30 slots: the overflow loop runs
+    got, _ = default_xla_jit(eqx.filter_grad(probe_loss, has_aux=True))(swapped, long_tokens)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(
@@ -345,12 +349,12 @@ def test_bad_tokens(model):
 
 
 @pytest.mark.slow
-def test_return_routing_gives_every_moe_layers_routing(model, tokens):
+def test_return_routing_gives_every_moe_layers_routing(model, tokens, forward):
     """`return_routing=True`: each MoE layer's (and MTP block's) expert ids and weights, stacked
     [layers batch*seq k], are its router's on that layer's input; the logits do not change, and
     the ids count to the stats' loads. Without it, no routing is computed into the output."""
     c = model.config
-    plain = eqx.filter_jit(lambda m, t: m(t))(model, tokens)
+    plain = forward(model, tokens)
     assert plain.moe_stats.expert_ids is None and plain.mtp_moe_stats.weights is None
     out = eqx.filter_jit(lambda m, t: m(t, return_routing=True))(model, tokens)
     np.testing.assert_array_equal(out.logits, plain.logits)
@@ -359,18 +363,25 @@ def test_return_routing_gives_every_moe_layers_routing(model, tokens):
         assert stats.expert_ids.shape == stats.weights.shape == (n_layers, tokens_flat, k)
         loads = jax.vmap(lambda ids: jnp.bincount(ids.ravel(), length=c.n_routed_experts))
         np.testing.assert_array_equal(loads(stats.expert_ids), stats.tokens_per_expert)
-    # Layer by layer: the router of each MoE block, on that block's normed input.
-    h = jnp.take(model.embed_tokens, tokens, axis=0)
-    for i in range(c.n_dense_layers):
-        h, _ = unstack(model.dense_layers, i)(h)
-    for i in range(c.n_moe_layers):
-        block = unstack(model.moe_layers, i)
-        x = block.input_layernorm(h)
-        x = h + block.self_attn(x)
-        routing = block.mlp.router(block.post_attention_layernorm(x).reshape(tokens_flat, -1))
+
+    @eqx.filter_jit
+    def layer_by_layer(model, tokens):
+        """The router of each MoE block, on that block's normed input."""
+        h, routings = jnp.take(model.embed_tokens, tokens, axis=0), []
+        for i in range(c.n_dense_layers):
+            h, _ = unstack(model.dense_layers, i)(h)
+        for i in range(c.n_moe_layers):
+            block = unstack(model.moe_layers, i)
+            x = block.input_layernorm(h)
+            x = h + block.self_attn(x)
+            normed = block.post_attention_layernorm(x).reshape(tokens_flat, -1)
+            routings.append(block.mlp.router(normed))
+            h, _ = block(h)
+        return routings
+
+    for i, routing in enumerate(layer_by_layer(model, tokens)):
         np.testing.assert_array_equal(out.moe_stats.expert_ids[i], routing.expert_ids)
         np.testing.assert_allclose(out.moe_stats.weights[i], routing.weights, rtol=1e-5, atol=1e-6)
-        h, _ = block(h)
 
 
 def test_backend_is_a_value():

@@ -40,9 +40,10 @@ def test_slices_are_strided_and_must_divide_the_batch():
         micro_batch_slices(t, 4)
 
 
-@pytest.mark.parametrize("micro_batches", [2, 4])
-@pytest.mark.slow
-def test_accumulated_gradients_equal_the_one_pass_gradients(micro_batches):
+@pytest.fixture(scope="module")
+def one_pass():
+    """(value_and_grad, params, batch, value_and_grad(params, batch)): the loss, its terms, the
+    MoE statistics and the gradients of one pass over a batch, for every micro-batch count."""
     model = DeepSeekV3(MODEL, key=jax.random.key(0))
     params, frozen = eqx.partition(model, optim.trainable_filter(model))
     weights = hparams(TrainConfig(z_loss_coef=1e-3))
@@ -53,7 +54,13 @@ def test_accumulated_gradients_equal_the_one_pass_gradients(micro_batches):
 
     value_and_grad = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     batch = tokens()
-    (loss, (terms, stats)), grads = eqx.filter_jit(value_and_grad)(params, batch)
+    return value_and_grad, params, batch, eqx.filter_jit(value_and_grad)(params, batch)
+
+
+@pytest.mark.parametrize("micro_batches", [2, 4])
+@pytest.mark.slow
+def test_accumulated_gradients_equal_the_one_pass_gradients(one_pass, micro_batches):
+    value_and_grad, params, batch, ((loss, (terms, stats)), grads) = one_pass
     run = eqx.filter_jit(accumulated(value_and_grad, micro_batches))
     (m_loss, (m_terms, m_stats)), m_grads = run(params, batch)
 

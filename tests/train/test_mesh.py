@@ -3,7 +3,8 @@ losses as the single-device run, also in micro-batches, a resume from sharded ch
 errors, a CLI smoke run.
 
 8 emulated CPU devices (tests/conftest.py). A two-layer tiny model (one dense layer, one MoE
-layer, one MTP block) at batch 8 x 32 tokens keeps the compiles short; the runs share them.
+layer, one MTP block) at batch 16 x 32 tokens keeps the compiles short; the runs share them,
+and one single-device run is the reference of every comparison.
 """
 
 import dataclasses
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.mesh8
 def config(**changes) -> TrainConfig:
     base = TrainConfig(
         steps=3,
-        batch_size=8,
+        batch_size=16,  # the micro-batch test splits it in two
         seq_len=32,
         warmup_steps=1,
         eval_every=0,
@@ -38,10 +39,14 @@ def config(**changes) -> TrainConfig:
     return dataclasses.replace(base, **changes)
 
 
-@pytest.mark.slow
-def test_mesh_run_equals_single_device_run_and_resumes(tmp_path):
-    single = train(MODEL, config(), out_dir=str(tmp_path / "single"))
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The single-device run that the mesh runs are compared with."""
+    return train(MODEL, config(), out_dir=str(tmp_path_factory.mktemp("single")))
 
+
+@pytest.mark.slow
+def test_mesh_run_equals_single_device_run_and_resumes(single, tmp_path):
     # Two steps on the mesh (checkpointed at the end), then resumed to three: the restore goes
     # into the shardings of the freshly placed state. With warmup 1 the learning rates of
     # steps 1-2 do not depend on `steps`, so the three losses are those of one 3-step run.
@@ -70,11 +75,10 @@ def test_mesh_run_equals_single_device_run_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_mesh_run_in_micro_batches_equals_single_device_run(tmp_path):
+def test_mesh_run_in_micro_batches_equals_single_device_run(single, tmp_path):
     """Batch 16 in two micro-batches of 8 (strided slices of the sharded batch): the losses and
     loads of one pass over the batch on one device."""
-    single = train(MODEL, config(batch_size=16), out_dir=str(tmp_path / "single"))
-    micro = train(MODEL, config(batch_size=16, micro_batches=2), out_dir=str(tmp_path), mesh=MESH)
+    micro = train(MODEL, config(micro_batches=2), out_dir=str(tmp_path), mesh=MESH)
     np.testing.assert_allclose(micro.losses, single.losses, rtol=RTOL)
     np.testing.assert_array_equal(micro.expert_load, single.expert_load)
     for name in ("loss", "max_vio"):  # the final evaluation, in slices too
@@ -82,11 +86,10 @@ def test_mesh_run_in_micro_batches_equals_single_device_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_mesh_run_with_the_loss_in_chunks_equals_single_device_run(tmp_path):
+def test_mesh_run_with_the_loss_in_chunks_equals_single_device_run(single, tmp_path):
     """`loss_chunk` on a mesh (each shard's positions walked in chunks of 12, which divides no
     power of two, so every shard's last chunk is padded): the losses and loads of the one-pass
     loss on one device."""
-    single = train(MODEL, config(), out_dir=str(tmp_path / "single"))
     chunked = train(MODEL.replace(loss_chunk=12), config(), out_dir=str(tmp_path), mesh=MESH)
     np.testing.assert_allclose(chunked.losses, single.losses, rtol=RTOL)
     np.testing.assert_array_equal(chunked.expert_load, single.expert_load)
@@ -96,7 +99,12 @@ def test_mesh_run_with_the_loss_in_chunks_equals_single_device_run(tmp_path):
     "model_changes, changes, mesh, message",
     [
         ({}, {"batch_size": 6}, MESH, "batch_size"),
-        ({}, {"micro_batches": 8}, MESH, r"batch_size \(8\) / micro_batches \(8\) must be"),
+        (
+            {},
+            {"batch_size": 8, "micro_batches": 8},
+            MESH,
+            r"batch_size \(8\) / micro_batches \(8\) must be",
+        ),
         ({}, {}, "data=2,expert=2", "device count"),
         ({}, {}, "data=2,expert=3,fsdp=1", "device count"),
         ({"n_routed_experts": 6, "n_group": 1, "topk_group": 1}, {}, MESH, "n_routed_experts"),
@@ -112,10 +120,12 @@ def test_bad_meshes_are_clear_errors(tmp_path, model_changes, changes, mesh, mes
 @pytest.mark.slow
 def test_cli_mesh_smoke_run(tmp_path, capsys):
     out = tmp_path / "run"
+    # the model and batch of the runs above, on their data: their compiled steps serve it
     args = [
-        "train", "--mesh", MESH, "--steps", "2", "--batch-size", "8", "--seq-len", "32",
+        "train", "--mesh", MESH, "--steps", "2", "--batch-size", "16", "--seq-len", "32",
         "--warmup-steps", "1", "--eval-batches", "1", "--model.num-hidden-layers", "2",
-        "--no-plots", "--no-progress", "--no-compile-cache", "--out-dir", str(out),
+        "--data", "synthetic", "--no-plots", "--no-progress", "--no-compile-cache",
+        "--out-dir", str(out),
     ]  # fmt: skip
     assert cli.main(args) == 0
     assert "mesh data=2,expert=4" in capsys.readouterr().out

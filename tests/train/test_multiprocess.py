@@ -4,7 +4,8 @@ by one, and a killed process ending the run with a clear message.
 
 The children get 4 emulated CPU devices each (this process has 8): the mesh data=2,expert=4
 spans both, so the expert all-to-all and the gradient reductions cross processes. Every
-subprocess runs under a timeout. A two-layer tiny model at batch 8 x 32 keeps compiles short.
+subprocess runs under a timeout. A two-layer tiny model (a dense and an MoE layer, no MTP block)
+at batch 8 x 32 keeps compiles short.
 """
 
 import json
@@ -25,13 +26,16 @@ from dropless.train import TrainConfig, read_jsonl, train
 pytestmark = [pytest.mark.mesh8, pytest.mark.slow]
 
 MESH = "data=2,expert=4"
-STEPS = 20
+# Six steps, checkpointed at 3 and 6: every step is one more of the same (a step across two
+# processes takes about a second on a CPU), and the resumed run takes three of them.
+STEPS = 6
+CHECKPOINT_EVERY = 3
 TIMEOUT_S = 540
 # The same program on the same devices; only the order in which gloo and the in-process
 # collectives add the 8 partial gradients differs, so the float32 sums differ in the last bits
-# and the difference grows a little through 20 Adam steps: 1e-5 relative (measured: 1.2e-7).
+# and the difference grows a little through the Adam steps: 1e-5 relative (measured: 1.5e-7).
 RTOL = 1e-5
-MODEL = get_preset("tiny", num_hidden_layers=2)
+MODEL = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
 CONFIG = TrainConfig(
     steps=STEPS,
     batch_size=8,
@@ -39,20 +43,21 @@ CONFIG = TrainConfig(
     warmup_steps=1,
     eval_every=0,
     eval_batches=1,
-    checkpoint_every=10,
+    checkpoint_every=CHECKPOINT_EVERY,
     data="synthetic",
     plots=False,
     mesh=MESH,
 )
 FLAGS = [
     "--model.num-hidden-layers", "2",
+    "--model.num-nextn-predict-layers", "0",
     "--steps", str(STEPS),
     "--batch-size", "8",
     "--seq-len", "32",
     "--warmup-steps", "1",
     "--eval-every", "0",
     "--eval-batches", "1",
-    "--checkpoint-every", "10",
+    "--checkpoint-every", str(CHECKPOINT_EVERY),
     "--data", "synthetic",
     "--no-sample",
     "--no-plots",
@@ -104,7 +109,7 @@ def test_two_processes_equal_one_and_resume_in_one(two_process_run, tmp_path):
         r for r in read_jsonl(str(two_process_run / "metrics.jsonl")) if r["split"] == "train"
     ]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert sorted(os.listdir(two_process_run / "checkpoints"))[:2] == ["10", "20"]
+    assert sorted(os.listdir(two_process_run / "checkpoints"))[:2] == ["3", "6"]
     # process 0 alone wrote the run's files; process 1 logged to its own
     assert (two_process_run / "summary.json").exists()
     assert (two_process_run / "process-1.log").exists()
@@ -119,15 +124,15 @@ def test_two_processes_equal_one_and_resume_in_one(two_process_run, tmp_path):
             [r[name] for r in records], [r[name] for r in single.records], rtol=RTOL, atol=1e-6
         )
 
-    # The step-10 checkpoint of the two processes, resumed by this one process on 8 devices.
+    # The step-3 checkpoint of the two processes, resumed by this one process on 8 devices.
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(two_process_run, resumed_dir)
-    shutil.rmtree(resumed_dir / "checkpoints" / "20")
+    shutil.rmtree(resumed_dir / "checkpoints" / str(STEPS))
     resumed = train(
         MODEL, TrainConfig(**{**vars(CONFIG), "resume": True}), out_dir=str(resumed_dir)
     )
-    assert [r["step"] for r in resumed.records] == list(range(11, STEPS + 1))
-    np.testing.assert_allclose(resumed.losses, want[10:], rtol=RTOL)
+    assert [r["step"] for r in resumed.records] == list(range(CHECKPOINT_EVERY + 1, STEPS + 1))
+    np.testing.assert_allclose(resumed.losses, want[CHECKPOINT_EVERY:], rtol=RTOL)
     np.testing.assert_allclose(resumed.expert_load, single.expert_load, rtol=RTOL)
 
 

@@ -12,7 +12,9 @@ import pytest
 from dropless.models.deepseek_v3 import get_preset
 from dropless.train import TrainConfig, offload, train
 
-MODEL = get_preset("tiny", num_hidden_layers=2)
+# One dense and one MoE layer, no MTP block: which layers there are matters not to where the
+# moments live, and the compiles take about 40% less time.
+MODEL = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
 
 
 def config(**changes) -> TrainConfig:

@@ -1,7 +1,7 @@
 """`load_run` and `evaluate_run`: a trained run back from its directory, and its evaluation.
 
-One tiny byte-level run (4 steps, batch 4 x 32 tokens, checkpoints at steps 2 and 4) serves
-the module; the tests that read it are slow (about a minute of compiling on a CPU)."""
+One tiny byte-level run (the two-layer tiny model, 4 steps, batch 4 x 32 tokens, checkpoints at
+steps 2 and 4) serves the module; the tests that read it are slow (compiling on a CPU)."""
 
 import dataclasses
 import json
@@ -19,6 +19,7 @@ from dropless.models.deepseek_v3 import get_preset
 from dropless.train import CheckpointError, TrainConfig, evaluate_run, load_run, setup, train
 from dropless.train.run_eval import append_metrics, prepared_eval_split
 
+MODEL = get_preset("tiny", num_hidden_layers=2)  # a dense layer, an MoE layer, the MTP block
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven")
 
 
@@ -39,7 +40,7 @@ def train_tiny_run(root):
         checkpoint_every=2, plots=False, data=str(data / "train.bin"),
         eval_data=str(data / "eval.bin"), data_dtype=meta["dtype"],
     )  # fmt: skip
-    results = train(get_preset("tiny"), config, backend="jnp", out_dir=str(root / "run"))
+    results = train(MODEL, config, backend="jnp", out_dir=str(root / "run"))
     return data, root / "run", results
 
 
@@ -60,7 +61,7 @@ def test_load_run_restores_the_final_model(tiny):
     data, run_dir, results = tiny
     run = load_run(run_dir)
     assert run.step == 4 and run.steps == [2, 4] and run.backend == "jnp"
-    assert run.model_config == get_preset("tiny")
+    assert run.model_config == MODEL
     assert run.train_config.steps == 4 and run.train_config.mesh is None
     trained = arrays(results.model)
     assert len(arrays(run.model)) == len(trained)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dropless.balance import update_expert_bias
-from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
+from dropless.models.deepseek_v3 import DeepSeekV3, ModelFeatures, ModelOutput, get_preset
 from dropless.train.config import TrainConfig
 from dropless.train.data import SyntheticCorpus
 from dropless.train.step import hparams, init_state, loss_terms, total_loss, train_step
@@ -43,10 +43,19 @@ def biases(model: DeepSeekV3) -> list[np.ndarray]:
     ]
 
 
+@eqx.filter_jit
+@eqx.filter_value_and_grad(has_aux=True)
+def loss_value_and_grad(model, batch):
+    """The training loss (default weights) with its terms and the model's output as aux."""
+    terms, out = loss_terms(model, batch)
+    return total_loss(terms, hparams(TrainConfig())), (terms, out)
+
+
 @pytest.mark.slow
 def test_loss_is_the_weighted_sum_of_its_terms():
     model = DeepSeekV3(get_preset("tiny"), key=jax.random.key(0))
-    terms, out = loss_terms(model, tokens())
+    # the terms as the loss's gradient sees them: one compiled program with the tests below
+    (_, (terms, out)), _ = loss_value_and_grad(model, tokens())
     assert out.logits.shape == (BATCH, SEQ, 512)
     assert out.mtp_logits.shape == (1, BATCH, SEQ, 512)
     # at initialisation both cross-entropies are near uniform (log 512 = 6.24)
@@ -113,14 +122,6 @@ def test_expert_bias_follows_the_sign_rule():
     np.testing.assert_array_equal(np.asarray(state.expert_load), load)
 
 
-@eqx.filter_jit
-@eqx.filter_value_and_grad(has_aux=True)
-def loss_value_and_grad(model, batch):
-    """The training loss (default weights) with its terms and the model's output as aux."""
-    terms, out = loss_terms(model, batch)
-    return total_loss(terms, hparams(TrainConfig())), (terms, out)
-
-
 @pytest.mark.slow
 def test_loss_in_chunks_equals_the_loss_on_whole_logits():
     """`loss_chunk`: the model's features and the chunked head + loss give the same loss terms
@@ -129,8 +130,8 @@ def test_loss_in_chunks_equals_the_loss_on_whole_logits():
     plain = DeepSeekV3(get_preset("tiny"), key=jax.random.key(0))
     chunked = DeepSeekV3(get_preset("tiny", loss_chunk=24), key=jax.random.key(0))  # same weights
     batch = tokens()
-    (want, (want_terms, _)), want_grads = loss_value_and_grad(plain, batch)
-    (got, (got_terms, _)), got_grads = loss_value_and_grad(chunked, batch)
+    (want, (want_terms, logits)), want_grads = loss_value_and_grad(plain, batch)
+    (got, (got_terms, features)), got_grads = loss_value_and_grad(chunked, batch)
     assert set(got_terms) == set(want_terms)
     for name in want_terms:
         np.testing.assert_allclose(got_terms[name], want_terms[name], rtol=1e-5, err_msg=name)
@@ -138,9 +139,9 @@ def test_loss_in_chunks_equals_the_loss_on_whole_logits():
     pairs = zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True)
     for g, w in pairs:
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
-    features = eqx.filter_jit(lambda m, t: m.features(t))(chunked, batch[:, :-1])
-    logits = eqx.filter_jit(lambda m, t: m(t).logits)(plain, batch[:, :-1])
-    np.testing.assert_allclose(plain.head(features.hidden), logits, rtol=1e-5, atol=1e-6)
+    # the model's outputs on the inputs batch[:, :-1]: its features, and the logits at once
+    assert isinstance(features, ModelFeatures) and isinstance(logits, ModelOutput)
+    np.testing.assert_allclose(plain.head(features.hidden), logits.logits, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
