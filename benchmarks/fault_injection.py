@@ -62,35 +62,49 @@ def launch(args: list[str], out_dir: str, env: dict, log) -> subprocess.Popen:
     )
 
 
-def kill_at_random(
-    process: subprocess.Popen, out_dir: str, rng: random.Random, spans: tuple[float, float]
-) -> tuple[str | None, tuple[float, float]]:
-    """Waits for a random moment, then SIGKILLs `process`. Returns the phase it was killed in
-    (None if it ended first) and its own spans (launch to first logged step, first logged step
-    to exit; measured up to the kill). `spans`: those of the last uninterrupted fresh run, so
-    that the moments fall within a run as long as this one will be (a run whose programs are
-    in the compile cache starts in a fraction of the time of the first, cold one)."""
+def watch(
+    process: subprocess.Popen, out_dir: str, kill_at=lambda launched, first: None
+) -> tuple[bool, tuple[float, float]]:
+    """Polls `process` until it exits, or SIGKILLs it once the moment `kill_at(launched,
+    first)` has passed (`first`: when it logged its first step, None before; a None moment:
+    not yet). Returns whether it was killed, and its spans: launch to its first logged step,
+    and from there to its exit (or kill)."""
     metrics = os.path.join(out_dir, "metrics.jsonl")
     launched, first = time.time(), None
     before = last_step(metrics)
-    if rng.random() < 0.5:
-        phase, deadline = "start", launched + rng.uniform(0.0, spans[0])
-    else:  # once a step is logged by this process: training, checkpoints, evaluations
-        phase, deadline = "train", None
+    killed = False
     while process.poll() is None:
         if first is None and last_step(metrics) > before:
             first = time.time()
-            if deadline is None:
-                deadline = first + rng.uniform(0.0, spans[1])
+        deadline = kill_at(launched, first)
         if deadline is not None and time.time() >= deadline:
             process.send_signal(signal.SIGKILL)
             process.wait()
+            killed = True
             break
         time.sleep(0.05)
-    else:
-        phase = None
     first = first or time.time()
-    return phase, (first - launched, time.time() - first)
+    return killed, (first - launched, time.time() - first)
+
+
+def kill_at_random(
+    process: subprocess.Popen, out_dir: str, rng: random.Random, spans: tuple[float, float]
+) -> tuple[str | None, tuple[float, float]]:
+    """SIGKILLs `process` at a random moment: half of the time within `spans[0]` of its launch
+    ("start"), else within `spans[1]` of its first logged step ("train": training,
+    checkpoints, evaluations). Returns the phase (None if the process ended first) and its
+    spans (`watch`). `spans`: those of the last uninterrupted fresh run, so that the moments
+    fall within a run as long as this one will be (a run whose programs are in the compile
+    cache starts in a fraction of the time of the first, cold one)."""
+    if rng.random() < 0.5:
+        phase, wait = "start", rng.uniform(0.0, spans[0])
+        killed, observed = watch(process, out_dir, lambda launched, first: launched + wait)
+    else:
+        phase, wait = "train", rng.uniform(0.0, spans[1])
+        killed, observed = watch(
+            process, out_dir, lambda launched, first: None if first is None else first + wait
+        )
+    return (phase if killed else None), observed
 
 
 def check(out_dir: str, reference: dict[int, float], steps: int) -> dict:
@@ -125,18 +139,10 @@ def main(argv=None) -> dict:
 
     began = time.time()
     ref_dir = os.path.join(work, "reference")
-    reference_run = subprocess.Popen(
-        [*args, "--out-dir", ref_dir], cwd=REPO, env=env, stdout=log, stderr=log
-    )
-    first_step = None
-    while reference_run.poll() is None:
-        if first_step is None and last_step(os.path.join(ref_dir, "metrics.jsonl")) > 0:
-            first_step = time.time()
-        time.sleep(0.05)
+    reference_run = launch(args, ref_dir, env, log)
+    _, spans = watch(reference_run, ref_dir)
     if reference_run.returncode != 0:
         raise SystemExit(f"the reference run failed; see {work}/log.txt")
-    first_step = first_step or time.time()
-    spans = (first_step - began, time.time() - first_step)
     ref_records = read_records(os.path.join(ref_dir, "metrics.jsonl"))
     reference = {r["step"]: r["loss"] for r in ref_records if r["split"] == "train"}
 

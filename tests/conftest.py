@@ -24,6 +24,7 @@ import gc  # noqa: E402
 with contextlib.suppress(ImportError, OSError):
     import transformer_engine.jax  # noqa: F401
 
+import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -148,8 +149,6 @@ def default_xla_jit():
     compiles it: for the few comparisons of two algorithms whose float32 rounding noise sits
     near their tolerance, where the emitters of the tests' fast compiles round differently
     (gradients of two grouped matmuls: 9 of 32,768 elements 6e-6 apart, tolerance 1e-6)."""
-    import equinox as eqx
-
     return lambda fn: eqx.filter_jit(fn, compiler_options=_XLA_DEFAULTS)
 
 
