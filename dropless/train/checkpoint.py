@@ -1,8 +1,10 @@
 """Checkpoints with orbax-checkpoint: every array of a pytree (model, optimiser state, step), plus
 a small JSON of metadata (configs, step), under `<directory>/<step>/`.
 
-Only arrays are written. Restoring takes a freshly built pytree of the same structure (`like`)
-and fills its arrays, so the static parts (functions, strategies, configs) always come from code.
+Only arrays are written, and only those holding data: orbax refuses zero-size ones (a model
+without MoE layers counts its expert load in a 0 x experts array), which `like` supplies on
+restore. Restoring takes a freshly built pytree of the same structure (`like`) and fills its
+arrays, so the static parts (functions, strategies, configs) always come from code.
 The metadata also holds a SHA-256 of every array (`dropless.train.checkpoint_digest`), checked on
 restore: a corrupt, empty or half-written checkpoint is a `CorruptCheckpoint` error.
 """
@@ -59,7 +61,7 @@ class Checkpointer:
 
     def save(self, step: int, state: PyTree, meta: dict) -> None:
         """Writes the arrays of `state` and the JSON-serialisable `meta` as checkpoint `step`."""
-        arrays = eqx.filter(state, eqx.is_array)
+        arrays = eqx.filter(state, _holds_data)
         meta = {**meta, DIGEST_KEY: digest(arrays)}
         self._manager.save(
             step,
@@ -101,7 +103,7 @@ class Checkpointer:
         step = self._resolve(step)
         meta = self._read_meta(step)
         expected = meta.pop(DIGEST_KEY, None)
-        arrays, static = eqx.partition(like, _is_array_or_abstract)
+        arrays, static = eqx.partition(_empty_as_arrays(like), _holds_data)
         # read in the dtypes they were saved in (checked against the digest), then cast
         dtypes = saved_dtypes(expected) if expected else {}
 
@@ -185,8 +187,19 @@ class Checkpointer:
         return step
 
 
-def _is_array_or_abstract(x) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+def _holds_data(x) -> bool:
+    return (eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)) and x.size > 0
+
+
+def _empty_as_arrays(tree: PyTree) -> PyTree:
+    """`tree` with its zero-size abstract leaves made arrays: nothing is saved or read for them."""
+
+    def empty(x):
+        if isinstance(x, jax.ShapeDtypeStruct) and x.size == 0:
+            return jnp.zeros(x.shape, x.dtype)
+        return x
+
+    return jax.tree.map(empty, tree)
 
 
 def _committed(x) -> bool:

@@ -61,6 +61,29 @@ def test_restored_arrays_are_placed_as_the_target_was(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+def test_a_model_without_moe_layers_round_trips(tmp_path):
+    """Its expert load is a 0 x experts array, which orbax cannot write: nothing is saved for
+    it, and the restore gives the target's, for a concrete and an abstract target alike."""
+
+    def dense_state(seed):
+        config = get_preset("tiny", num_hidden_layers=1, num_nextn_predict_layers=0)
+        return init_state(DeepSeekV3(config, key=jax.random.key(seed)), TrainConfig())
+
+    saved = dense_state(1)
+    assert saved.expert_load.shape == (0, 16)
+    checkpointer = Checkpointer(str(tmp_path / "ckpt"))
+    checkpointer.save(1, saved, {"step": 1})
+    checkpointer.wait()
+    for like in (dense_state(2), eqx.filter_eval_shape(dense_state, 2)):
+        restored, meta = checkpointer.restore(like)
+        assert meta == {"step": 1}
+        assert jax.tree.structure(saved) == jax.tree.structure(restored)
+        for x, y in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), strict=True):
+            assert x.shape == y.shape and x.dtype == y.dtype
+            np.testing.assert_array_equal(x, y)
+    checkpointer.close()
+
+
 def test_resume_from_missing_or_empty_directory_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         open_for_resume(str(tmp_path / "nothing"))

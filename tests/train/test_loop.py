@@ -149,6 +149,26 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     assert summary["final_train"]["step"] == summary["final_eval"]["step"] == 12
 
 
+@pytest.mark.slow
+def test_a_model_without_moe_layers_checkpoints_and_resumes(tmp_path):
+    """One dense layer, no MTP block: no MoE statistics (a 0 x experts expert load), a run
+    like any other, with plots."""
+    dense = TINY.replace(num_hidden_layers=1, num_nextn_predict_layers=0)
+    settings = config(steps=4, checkpoint_every=2, plots=True)
+    full = train(dense, settings, backend="jnp", out_dir=str(tmp_path / "full"))
+    assert full.expert_load.shape == (0, dense.n_routed_experts)
+    assert Checkpointer(str(tmp_path / "full" / "checkpoints")).steps() == [2, 4]
+
+    cut = str(tmp_path / "cut")
+    with pytest.raises(Interrupt):
+        train(dense, settings, backend="jnp", out_dir=cut, callbacks=[InterruptAt(3)])
+    resumed = train(dense, dataclasses.replace(settings, resume=True), backend="jnp", out_dir=cut)
+    assert [r["step"] for r in resumed.records] == [3, 4]
+    for got, want in zip(resumed.records, full.records[2:], strict=True):
+        assert _without_timing(got) == _without_timing(want)
+    assert os.path.exists(resumed.files["loss_plot"])
+
+
 def test_an_evaluation_cut_short_runs_again_on_resume(tmp_path):
     out = str(tmp_path)
     settings = config(steps=8, checkpoint_every=4, eval_every=4)
