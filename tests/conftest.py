@@ -80,17 +80,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(few)
 
 
+# Tests compare float32 results with float32 tolerances, which assume float32 matmuls; on a GPU,
+# XLA's default precision multiplies float32 in TF32 (about 1e-3 relative error; 11 such failures
+# in test_jnp when it ran on an H200). So everything here, module fixtures included, runs at
+# "highest" precision, which changes nothing on the CPU.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
 @pytest.fixture(autouse=True)
-def full_float32_matmuls(request):
-    """Tests without the `gpu` marker compare float32 results with float32 tolerances, which
-    assume float32 matmuls; on a GPU, XLA's default precision multiplies float32 in TF32 (about
-    1e-3 relative error; 11 such failures in test_jnp when it ran on an H200). Those tests run
-    at "highest" precision, which changes nothing on the CPU; `gpu` tests keep the default
-    that training uses."""
-    if "gpu" in request.keywords:
+def gpu_tests_at_default_precision(request):
+    """`gpu` tests run at XLA's default precision, the one training uses."""
+    if "gpu" not in request.keywords:
         yield
         return
-    with jax.default_matmul_precision("highest"):
+    with jax.default_matmul_precision(None):
         yield
 
 

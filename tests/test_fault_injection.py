@@ -18,7 +18,9 @@ def test_killed_and_resumed_runs_match_an_uninterrupted_one(tmp_path):
     out = tmp_path / "figures.json"
     script = os.path.join(REPO, "benchmarks", "fault_injection.py")
     args = ["--kills", "3", "--steps", "12", "--checkpoint-every", "3", "--out", str(out)]
-    subprocess.run([sys.executable, script, *args], check=True, timeout=1200)
+    # the script, and the runs it starts, import this checkout whatever is installed
+    env = {**os.environ, "PYTHONPATH": REPO}
+    subprocess.run([sys.executable, script, *args], check=True, timeout=1200, env=env)
     figures = json.loads(out.read_text())["rows"][0]
     assert figures["kills"] == 3 and figures["rounds"] >= 1
     assert figures["lost"] == figures["duplicated"] == figures["mismatches"] == 0

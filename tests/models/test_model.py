@@ -34,12 +34,9 @@ def jaxtyping_disabled():
         jaxtyping.config.update("jaxtyping_disable", False)
 
 
-# The module's fixtures run outside conftest.py's full_float32_matmuls: they compute at the
-# tests' precision themselves, for the tests to compare with and to reuse their programs.
 @pytest.fixture(scope="module")
 def model():
-    with jax.default_matmul_precision("highest"):
-        return DeepSeekV3(get_preset("tiny"), key=jax.random.key(0))
+    return DeepSeekV3(get_preset("tiny"), key=jax.random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +171,7 @@ def test_mtp_targets():
 
 @pytest.fixture(scope="module")
 def value_and_grad(model, tokens):
-    with jax.default_matmul_precision("highest"):
-        return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, tokens)
+    return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, tokens)
 
 
 def test_full_gradient(value_and_grad):
