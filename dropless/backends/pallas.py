@@ -188,9 +188,9 @@ pallas_gate_up_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 class PallasGroupedMatmul(AbstractFusedSwiGLUMatmul):
     """Grouped GEMM on Mosaic GPU kernels (Hopper, bf16/fp16), with an exact custom VJP.
     `fallback`: the strategy for expert widths the kernels cannot tile (not multiples of 128);
-    without one, such widths raise. `fused_swiglu` (opt-in until timed on an H200;
-    docs/design.md): the experts' gate-and-up matmul computes its SwiGLU in the kernel's
-    epilogue (`pallas_gate_up_swiglu`)."""
+    without one, such widths raise. `fused_swiglu`: the experts' gate-and-up matmul computes its
+    SwiGLU in the kernel's epilogue (`pallas_gate_up_swiglu`); opt-in, since it made the
+    proxy-2b step 3% slower on an H200 (benchmarks/results/train_step_h200.json)."""
 
     requires_gpu: ClassVar[bool] = True
     compute_dtype: str = eqx.field(default="bfloat16", static=True)

@@ -10,6 +10,7 @@ import jax
 from dropless.backends.backend import Backend, BackendUnavailableError, has_gpu, is_hopper
 from dropless.backends.capacity import CapacityGroupedMatmul
 from dropless.backends.chunked import ChunkedGroupedMatmul
+from dropless.backends.ep import ep_backend
 from dropless.backends.ragged import RaggedDot
 from dropless.backends.sort import SortDispatcher
 from dropless.dispatch import AbstractDispatcher
@@ -54,7 +55,7 @@ BACKENDS: dict[str, Callable[[], Backend]] = {
     "te-gmm": _lazy("dropless.backends.te", "te_gmm_backend"),
     "pallas": _lazy("dropless.backends.pallas", "pallas_backend"),
     "tokamax": _lazy("dropless.backends.tokamax", "tokamax_backend"),
-    "ep": _lazy("dropless.backends.ep", "ep_backend"),
+    "ep": ep_backend,
     "nccl_ep": _lazy("dropless.backends.nccl_ep", "nccl_ep_backend"),
 }
 

@@ -57,7 +57,7 @@ def _forward(logits, targets):
 
 def _logsumexp_one_pass(logits, targets, combine=None):
     """(logsumexp, target logit) per position in one variadic reduction, whose combiner is
-    `_combine` unless `combine` is given (experiments/bench_cross_entropy.py times others)."""
+    `_combine` unless `combine` is given (benchmarks/bench_cross_entropy.py times others)."""
     # Each element enters as (its value, a sum of one, its value if it is the target's).
     # The initial maximum is the lowest finite float32, not -inf (see `_combine`).
     lowest = jnp.finfo(jnp.float32).min

@@ -1,7 +1,7 @@
 """The train loop's state and steps on a device mesh (`TrainConfig.mesh`, `--mesh data=2,expert=4`).
 
     mesh = resolve_mesh("data=2,expert=4", model_config, train_config)   # None: one device
-    model = prepare_model(model, mesh)          # the "ep" backend when expert > 1, checked
+    model = prepare_model(model, mesh)          # expert-parallel when expert > 1, checked
     state = shard_state(init_state(model, train_config), mesh)
     state, metrics = sharded_train_step(mesh, state, sharding.shard_batch(tokens, mesh))
 
@@ -28,7 +28,9 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, PyTree
 
 from dropless import sharding
-from dropless.backends import get_backend, with_backend
+from dropless.backends import with_backend
+from dropless.backends.ep import ep_backend
+from dropless.dispatch import AbstractDispatcher
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     DeepSeekV3Config,
@@ -89,10 +91,19 @@ def resolve_mesh(
 
 
 def prepare_model(model: DeepSeekV3, mesh: Mesh) -> DeepSeekV3:
-    """`model` ready for `mesh`: on the expert-parallel "ep" backend when the expert axis is > 1,
-    checked by `sharding.check_expert_parallel` (not yet placed: see `shard_state`)."""
-    if mesh.shape["expert"] > 1:
-        model = with_backend(model, get_backend("ep"))
+    """`model` ready for `mesh`, checked by `sharding.check_expert_parallel` (not yet placed:
+    see `shard_state`). When the expert axis is > 1, a model whose dispatchers cannot move
+    tokens between devices gets the "ep" backend; an expert-parallel one (`nccl_ep`, an
+    `ep_backend(recv_factor=...)`) keeps its own."""
+    dispatchers = [
+        node
+        for node in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, AbstractDispatcher))
+        if isinstance(node, AbstractDispatcher)
+    ]
+    if mesh.shape["expert"] > 1 and not all(
+        type(d).supports_expert_parallel for d in dispatchers
+    ):
+        model = with_backend(model, ep_backend())
     sharding.check_expert_parallel(model, mesh)
     return model
 

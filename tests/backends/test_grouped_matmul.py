@@ -158,7 +158,7 @@ def test_gradient_has_no_scatter_add(gmm):
 def test_capacity_slot_matmuls_write_the_operand_dtype(dot_generals):
     """With bf16 operands, every batched matmul of jnp-capacity (slots forward, both gradients)
     writes bf16: a float32 result rounded afterwards costs a float32 copy of the largest
-    activations (measured on the H200, docs/benchmarks.md, fifth run)."""
+    activations."""
     sizes = jnp.asarray([40, 0, 50, 6], jnp.int32)  # one group overflows the capacity
     lhs = jnp.ones((ROWS, IN), jnp.bfloat16)
     rhs = jnp.ones((4, IN, OUT), jnp.bfloat16)

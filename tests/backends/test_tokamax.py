@@ -1,5 +1,5 @@
 """tokamax's grouped matmul against the one-hot oracle: its XLA path on any machine, its Mosaic
-GPU kernels under `gpu`. Skipped where tokamax is not installed (`pip install -e '.[tokamax]'`)."""
+GPU kernels under `gpu`. Skipped where tokamax is not installed (docs/backends.md says how)."""
 
 import jax
 import jax.numpy as jnp

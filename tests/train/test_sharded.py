@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from dropless import sharding
 from dropless.backends import get_backend, with_backend
+from dropless.backends.ep import ep_backend
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
 from dropless.moe import MoE
 from dropless.precision import apply_updates
@@ -210,3 +211,21 @@ def test_sharded_train_step_equals_train_step():
     np.testing.assert_array_equal(state.expert_load, ref.expert_load)
     experts = eqx.filter(state.model.moe_layers.mlp.experts, eqx.is_array)
     assert all("expert" in str(a.sharding.spec) for a in jax.tree.leaves(experts))
+
+
+def test_prepare_model_keeps_an_expert_parallel_backend_and_replaces_others():
+    """On an expert axis > 1 a single-device dispatcher gives way to the "ep" backend, while an
+    expert-parallel one, with its own settings, stays as given."""
+    config = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
+    mesh = sharding.make_mesh(data=4, expert=2)
+
+    def dispatcher(model):
+        return model.moe_layers.mlp.dispatcher
+
+    own = DeepSeekV3(config, backend=ep_backend(recv_factor=3.0), key=jax.random.key(0))
+    assert dispatcher(prepare_model(own, mesh)) == dispatcher(own)
+    plain = prepare_model(DeepSeekV3(config, key=jax.random.key(0)), mesh)
+    assert dispatcher(plain) == ep_backend().dispatcher
+    # expert=1: nothing to exchange, the model's own backend stays
+    single = DeepSeekV3(config, key=jax.random.key(0))
+    assert dispatcher(prepare_model(single, sharding.make_mesh(data=8))) == dispatcher(single)
