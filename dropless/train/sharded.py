@@ -100,9 +100,7 @@ def prepare_model(model: DeepSeekV3, mesh: Mesh) -> DeepSeekV3:
         for node in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, AbstractDispatcher))
         if isinstance(node, AbstractDispatcher)
     ]
-    if mesh.shape["expert"] > 1 and not all(
-        type(d).supports_expert_parallel for d in dispatchers
-    ):
+    if mesh.shape["expert"] > 1 and not all(type(d).supports_expert_parallel for d in dispatchers):
         model = with_backend(model, ep_backend())
     sharding.check_expert_parallel(model, mesh)
     return model
