@@ -12,7 +12,7 @@ w.r.t. the tokens and the routing weights):
   from cumulative positions (first choices first, as in GShard) and applied with two einsums;
   copies past an expert's capacity are dropped (the column "one-hot dropped" says how many).
 
-Issue 2's target: sort at least 100x faster at 4096 tokens. Writes JSON + CSV + a PNG to --out.
+The target: sort at least 100x faster at 4096 tokens. Writes JSON + CSV + a PNG to --out.
 """
 
 import argparse

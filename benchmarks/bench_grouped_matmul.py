@@ -7,7 +7,7 @@ For experts = 8, 64, 256 and balanced or Dirichlet-skewed group sizes, times the
 (`jax.lax.ragged_dot`), forward and forward+backward (gradients w.r.t. the rows and the expert
 weights), and divides each by a dense matmul [rows in] @ [in out]: the grouped matmul's FLOPs in
 one call, timed just before and just after each strategy. A ratio of 3 means three times slower
-than dense. Issue 2's targets for the default are at most 3x, 3x and 4x of dense at 8, 64 and 256
+than dense. The targets for the default are at most 3x, 3x and 4x of dense at 8, 64 and 256
 experts. Writes JSON + CSV + a PNG bar plot to --out.
 
 The 256-expert weight gradient is a 134 MB buffer per call, which glibc page-faults in afresh at
@@ -35,7 +35,7 @@ from dropless.backends.capacity import CapacityGroupedMatmul
 from dropless.backends.chunked import ChunkedGroupedMatmul, default_chunk
 from dropless.backends.ragged import RaggedDot
 
-TARGETS = {8: 3.0, 64: 3.0, 256: 4.0}  # issue 2: jnp default time over dense, at most
+TARGETS = {8: 3.0, 64: 3.0, 256: 4.0}  # jnp default time over dense, at most
 
 
 def group_sizes(routing: str, experts: int, rows: int, alpha: float, seed: int) -> np.ndarray:

@@ -237,7 +237,7 @@ def bench_layer(
     return rows
 
 
-# Issue 5's targets for the best GPU strategy, fwd+bwd throughput over dense, by rows per expert
+# The targets for the best GPU strategy, fwd+bwd throughput over dense, by rows per expert
 TARGETS = {2048: 0.90, 512: 0.80, 256: 0.70}  # none set at 128 rows per expert
 
 
@@ -247,7 +247,7 @@ def _label(row) -> str:
 
 def plot(rows, out, name="bench_moe_gmm.png"):
     """Bars of fwd+bwd throughput over dense per shape and strategy, each shape's target as a
-    short black line (where issue 5 sets one)."""
+    short black line (where a target is set)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -267,7 +267,7 @@ def plot(rows, out, name="bench_moe_gmm.png"):
     for x, lab in enumerate(labels):
         if per_expert[lab] in TARGETS:  # a line across the shape's bars
             left, right = x - width / 2, x + (len(strategies) - 0.5) * width
-            label = "target (issue 5)" if first else None
+            label = "target" if first else None
             ax.hlines(TARGETS[per_expert[lab]], left, right, color="k", lw=1.5, label=label)
             first = False
     ax.axhline(1.0, color="k", lw=0.5, ls=":")

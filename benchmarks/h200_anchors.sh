@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 45's anchors on one H200, in the device tool's calls (stages in order; the machine warm
-# between calls), e.g. `bash benchmarks/h200_anchors.sh tests gmm1`:
+# The side-by-side GPU anchors (our kernels, tokamax, TE, ragged_dot, dense) on one H200, in
+# the device tool's calls (stages in order; the machine warm between calls), e.g.
+# `bash benchmarks/h200_anchors.sh tests gmm1`:
 #   tests  GPU tests of the tokamax and pallas grouped matmuls (and TE's, where staged)
 #   gmm1   grouped GEMM fwd / fwd+bwd over dense: 8x2048 and 64x512 (experts x rows per expert)
 #   gmm2   the same at 256x256 and 256x128

@@ -1,4 +1,4 @@
-"""Figure: the proxy-2b train step's MFU on one H200, run by run, against issue 5's 45% target.
+"""Figure: the proxy-2b train step's MFU on one H200, run by run, against the 45% target.
 
     python benchmarks/plot_mfu_history.py [benchmarks/results/train_step_h200_history.json]
 
@@ -19,7 +19,7 @@ import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLUMNS = ("run", "date", "change", "batch", "micro_batches", "step_s", "mfu", "log")
-TARGET = 45.0  # issue 5: train-step MFU >= 45% on proxy-2b
+TARGET = 45.0  # train-step MFU >= 45% on proxy-2b
 MARKERS = "osD^vP"  # one per (batch, micro-batches) series, in turn
 LABEL_WIDTH = 15  # characters per line of a run's label (runs sit about 15 characters apart)
 SPREAD = 0.3  # width in runs over which one run's rows of a series are spread
@@ -98,7 +98,7 @@ def plot(rows, out: pathlib.Path, name: str = "mfu_history.png") -> pathlib.Path
             va="top",
             fontsize=7,
         )
-    ax.axhline(TARGET, color="k", ls="--", lw=1, label=f"target {TARGET:.0f}% (issue 5)")
+    ax.axhline(TARGET, color="k", ls="--", lw=1, label=f"target {TARGET:.0f}%")
     ax.set_ylim(0, 50)
     ax.set_xlim(runs[0] - 0.7, runs[-1] + 0.7)
     ax.set_xticks(range(runs[0], runs[-1] + 1))
