@@ -308,8 +308,9 @@ def test_grouped_gemm_figure_is_redrawn_from_a_results_file(tmp_path, monkeypatc
 
 
 def test_cpu_grouped_matmul_benchmark_on_toy_shapes(tmp_path, monkeypatch):
-    """bench_grouped_matmul.py (the CPU table of docs/benchmarks.md) at toy shapes, glibc left as it is (this
-    process has run JAX, so `keep_freed_memory` could not act), and its record of that."""
+    """bench_grouped_matmul.py (the CPU table of docs/benchmarks.md) at toy shapes, glibc left
+    as it is (this process has run JAX, so `keep_freed_memory` could not act), and its record
+    of that."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     argv = ["--rows", "512", "--in-width", "32", "--out-width", "64", "--experts", "8"]
     argv += ["--strategies", "jnp-chunked,jnp-capacity", "--repeats", "2", "--glibc-default"]
