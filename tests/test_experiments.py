@@ -214,6 +214,7 @@ def test_tile_search_rejects_inexact_tilings(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.count("inexact on uneven groups, rejected") == 2
 
 
+@pytest.mark.slow
 def test_mosaic_tile_search_rejects_inexact_settings(tmp_path, monkeypatch, capsys):
     """tune_mosaic's search, with our kernels replaced by the reference (and one setting made
     wrong): the wrong setting is reported, never timed, and never chosen."""
@@ -326,6 +327,7 @@ def test_cpu_grouped_matmul_benchmark_on_toy_shapes(tmp_path, monkeypatch):
         assert row["rel. diff"] < 1e-5
 
 
+@pytest.mark.slow
 def test_grouped_gemm_benchmark_times_in_rounds(tmp_path, monkeypatch):
     """bench_moe.py's grouped-GEMM table on toy shapes (its CPU smoke run), in two rounds."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # its helpers, _timing and _profile
@@ -536,6 +538,7 @@ def test_swiglu_epilogue_bench_in_the_interpreter(tmp_path, monkeypatch):
     assert (tmp_path / "swiglu_epilogue.json").exists()
 
 
+@pytest.mark.slow
 def test_weights_before_down_bench_keeps_less(tmp_path, monkeypatch):
     """bench_weights_before_down on the CPU (a small float32 layer): both settings compiled and
     timed, and with the weights before the down projection JAX keeps less for the backward

@@ -244,6 +244,7 @@ def test_remat_keeps_values_and_gradients(policy, model, tokens, value_and_grad)
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_unrolled_layers_keep_values_and_gradients(remat, model, tokens, value_and_grad):
     config = model.config.replace(unroll_layers=True, remat=remat)

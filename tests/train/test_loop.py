@@ -95,6 +95,7 @@ def test_loss_decreases_on_the_synthetic_corpus(tmp_path):
     assert results.final_eval["ce"] < uniform - 1.0
 
 
+@pytest.mark.slow
 def test_bias_balancing_lowers_max_vio(tmp_path):
     runs = {}
     for rate in (0.0, 1e-2):
@@ -113,6 +114,7 @@ def test_bias_balancing_lowers_max_vio(tmp_path):
     assert overall(runs[1e-2].expert_load) < 0.8 * overall(runs[0.0].expert_load)
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     settings = config(steps=12, checkpoint_every=4, eval_every=6)
     full = train(TINY, settings, backend="jnp", out_dir=str(tmp_path / "full"))
