@@ -5,6 +5,8 @@ each with `JAX_COORDINATOR_ADDRESS` (a free local port), `JAX_NUM_PROCESSES` and
 `JAX_PROCESS_ID` set (`dropless.train.distributed.initialize_from_env` joins them). Process 0
 prints to this terminal; the others write `DIR/process-<i>.log`. When a child fails, the others
 are stopped (SIGTERM, then SIGKILL after `GRACE_S`) and the launcher exits with 1 naming it.
+A SIGTERM to the launcher goes to every child: they stop after one common step, saved
+(`dropless.train.preempt`), and the launcher exits with 143 once all have.
 Each child sees the devices the environment gives it (on a CPU,
 `XLA_FLAGS=--xla_force_host_platform_device_count=4` gives each 4).
 """
@@ -60,6 +62,19 @@ def _stop(children: list[subprocess.Popen]) -> None:
             child.wait()
 
 
+class _ForwardSigterm:
+    """The launcher's SIGTERM handler: passes the signal on to every running child."""
+
+    def __init__(self, children: list[subprocess.Popen]):
+        self.children, self.received = children, False
+
+    def __call__(self, signum, frame) -> None:
+        self.received = True
+        for child in self.children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+
 def _env(index: int, count: int, address: str) -> dict[str, str]:
     env = dict(os.environ)
     env[distributed.COORDINATOR_ENV] = address
@@ -78,6 +93,8 @@ def launch(args: Sequence[str], count: int, out_dir: str) -> int:
     address = f"127.0.0.1:{free_port()}"
     command = [sys.executable, "-m", "dropless", "train", *child_args(args, out_dir)]
     children, logs = [], []
+    forward = _ForwardSigterm(children)
+    previous = signal.signal(signal.SIGTERM, forward)
     try:
         for i in range(count):
             log = None if i == 0 else os.path.join(out_dir, f"process-{i}.log")
@@ -88,12 +105,13 @@ def launch(args: Sequence[str], count: int, out_dir: str) -> int:
             )
         with open(os.path.join(out_dir, PROCESSES_FILE), "w") as f:
             json.dump({"coordinator": address, "pids": [c.pid for c in children]}, f)
-        return _watch(children, logs)
+        return _watch(children, logs, forward, out_dir)
     except KeyboardInterrupt:
         _stop(children)
         print("dropless: interrupted; stopped every process", file=sys.stderr)
         return 130
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for _, out in logs:
             if out is not None:
                 out.close()
@@ -108,11 +126,26 @@ def _describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
-def _watch(children: list[subprocess.Popen], logs: list) -> int:
-    """Waits for every child; the first failure stops the rest."""
+def _watch(
+    children: list[subprocess.Popen], logs: list, forward: _ForwardSigterm, out_dir: str
+) -> int:
+    """Waits for every child; the first failure stops the rest. After a SIGTERM, a child that
+    stopped for it (or was killed by it, before it could save) is no failure."""
+    stopped = (0, 128 + signal.SIGTERM, -signal.SIGTERM)
     while True:
         codes = [child.poll() for child in children]
-        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+        if all(code == 0 for code in codes):
+            return 0
+        if forward.received and all(code is not None for code in codes):
+            print(
+                f"dropless: stopped by SIGTERM; continue with: dropless train --out-dir {out_dir} "
+                f"--resume --local-processes {len(children)}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 128 + signal.SIGTERM
+        ok = stopped if forward.received else (0,)
+        failed = [i for i, code in enumerate(codes) if code is not None and code not in ok]
         if failed:
             i = failed[0]
             where = f" (its output: {logs[i][0]})" if logs[i][0] else ""
@@ -124,8 +157,6 @@ def _watch(children: list[subprocess.Popen], logs: list) -> int:
             )
             _stop(children)
             return 1
-        if all(code == 0 for code in codes):
-            return 0
         time.sleep(0.2)
 
 

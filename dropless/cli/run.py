@@ -2,6 +2,7 @@
 and summary of where the results went."""
 
 import os
+import signal
 import sys
 import time
 
@@ -11,7 +12,7 @@ from dropless.models.deepseek_v3 import PRESETS, count_params, get_preset
 from dropless.train.checkpoint import CheckpointError
 from dropless.train.compile_cache import enable_compile_cache
 from dropless.train.data_source import DataSource, fit_vocab, open_data
-from dropless.train.loop import TrainingDiverged, train
+from dropless.train.loop import TrainingDiverged, TrainingPreempted, train
 from dropless.train.metrics import EvalLines, ProgressBar
 from dropless.train.run_lock import RunDirectoryLocked
 from dropless.train.sample import eval_prompt, sample
@@ -152,6 +153,14 @@ def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
             file=sys.stderr,
         )
         return 130
+    except TrainingPreempted as err:
+        if bar:
+            bar.close()
+        print(
+            f"dropless: {err}; continue with: dropless train --out-dir {out_dir} --resume",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGTERM
     print(_describe(results, time.perf_counter() - began), flush=True)
     # a mesh run's model routes through its expert-parallel layers, which decode only inside
     # the mesh's shard_map: no sample there

@@ -19,7 +19,7 @@ from dropless.train.data import (
     token_file_splits,
 )
 from dropless.train.finish import TrainResults
-from dropless.train.loop import TrainingDiverged, evaluate, train
+from dropless.train.loop import TrainingDiverged, TrainingPreempted, evaluate, train
 from dropless.train.metrics import (
     Callback,
     EvalLines,
@@ -65,6 +65,7 @@ __all__ = [
     "TrainResults",
     "TrainState",
     "TrainingDiverged",
+    "TrainingPreempted",
     "config_dict",
     "enable_compile_cache",
     "eval_step",

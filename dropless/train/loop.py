@@ -30,12 +30,13 @@ from dropless.train.config import TrainConfig
 from dropless.train.data import AbstractDataset
 from dropless.train.finish import TrainResults, finish
 from dropless.train.guard import TrainingDiverged, check_step
+from dropless.train.preempt import StopOnSigterm, TrainingPreempted
 from dropless.train.setup import Run
 from dropless.train.sharded import sharded_eval_step, sharded_train_step
 from dropless.train.step import eval_step, hparams, train_step
 from dropless.train.throughput import Throughput
 
-__all__ = ["TrainingDiverged", "evaluate", "run_steps", "train"]
+__all__ = ["TrainingDiverged", "TrainingPreempted", "evaluate", "run_steps", "train"]
 
 _SCALARS = (
     "loss",
@@ -155,7 +156,8 @@ def _after_step(run: Run, record: dict, eval_records: list[dict], meter: Through
 def run_steps(run: Run) -> tuple[list[dict], list[dict]]:
     """Trains from `run.state` to `TrainConfig.steps`, then saves and evaluates the final
     state (unless a resumed run has both already); closes the run's files. Returns this call's
-    training and evaluation records."""
+    training and evaluation records. On SIGTERM it saves the step it finishes and raises
+    `TrainingPreempted` (`dropless.train.preempt`)."""
     config, start = run.train_config, int(run.state.step)
     records: list[dict] = []
     eval_records: list[dict] = []
@@ -165,11 +167,17 @@ def run_steps(run: Run) -> tuple[list[dict], list[dict]]:
             _run_eval(run, start, eval_records)  # saved before its evaluation, which did not end
         devices = 1 if run.mesh is None else run.mesh.size
         meter = throughput.meter(run.model_config, config, devices)
-        for step in range(start, config.steps):
-            records.append(_train_step(run, step, meter))
-            if step == start:
-                meter.mark()  # the first step compiles: an interval of its own
-            _after_step(run, records[-1], eval_records, meter)
+        with StopOnSigterm() as stop:
+            for step in range(start, config.steps):
+                records.append(_train_step(run, step, meter))
+                if step == start:
+                    meter.mark()  # the first step compiles: an interval of its own
+                _after_step(run, records[-1], eval_records, meter)
+                if step + 1 < config.steps and stop.requested(step + 1):
+                    if run.checkpointer.latest_step() != step + 1:
+                        _save(run, step + 1)
+                    run.checkpointer.wait()
+                    raise TrainingPreempted(step + 1)
         if run.checkpointer.latest_step() != config.steps:
             _save(run, config.steps)
         if not _evaluated(run, config.steps, eval_records):
@@ -205,8 +213,9 @@ def train(
 
     Raises ValueError for bad settings or data (token ids outside the vocabulary, sequences
     longer than the model supports), CheckpointError for a missing, corrupt or mismatched
-    checkpoint, and TrainingDiverged when the loss becomes NaN/inf or an update is absurdly
-    large (`dropless.train.guard`); the checkpoints saved before that stay.
+    checkpoint, TrainingDiverged when the loss becomes NaN/inf or an update is absurdly
+    large (`dropless.train.guard`; the checkpoints saved before that stay), and
+    TrainingPreempted when SIGTERM stops it (the step it finished is saved).
     """
     if mesh is not None:
         train_config = dataclasses.replace(train_config, mesh=mesh)

@@ -30,6 +30,7 @@ from dropless.train import (
     CheckpointError,
     TrainConfig,
     TrainingDiverged,
+    TrainingPreempted,
     config_dict,
     init_state,
     read_jsonl,
@@ -149,6 +150,39 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     with open(again.files["summary"]) as f:
         summary = json.load(f)
     assert summary["final_train"]["step"] == summary["final_eval"]["step"] == 12
+
+
+class SigtermAt(Callback):
+    """A preemption notice: SIGTERM to this process as step `step` is logged."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step(self, record: dict) -> None:
+        if record["step"] == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_step_and_stops_and_resume_continues_exactly(tmp_path):
+    """No periodic checkpoints: the one SIGTERM's stop saves is all there is to resume from.
+    The handler is this run's only: the process's own stays in place before and after."""
+    settings = config(steps=6, eval_every=0)
+    full = train(TINY, settings, backend="jnp", out_dir=str(tmp_path / "full"))
+    stopped = str(tmp_path / "stopped")
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(TrainingPreempted, match="after step 3") as info:
+        train(TINY, settings, backend="jnp", out_dir=stopped, callbacks=[SigtermAt(3)])
+    assert info.value.step == 3
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert Checkpointer(os.path.join(stopped, "checkpoints")).steps() == [3]
+    assert [r["step"] for r in read_jsonl(os.path.join(stopped, "metrics.jsonl"))] == [1, 2, 3]
+    resumed = train(
+        TINY, dataclasses.replace(settings, resume=True), backend="jnp", out_dir=stopped
+    )
+    assert [r["step"] for r in resumed.records] == [4, 5, 6]
+    for got, want in zip(resumed.records, full.records[3:], strict=True):
+        assert _without_timing(got) == _without_timing(want)
 
 
 @pytest.mark.slow

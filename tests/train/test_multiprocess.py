@@ -158,3 +158,36 @@ def test_killing_one_process_ends_the_other(tmp_path):
     assert "stopping the other processes" in output
     with pytest.raises(ProcessLookupError):
         os.kill(pids[0], 0)
+
+
+def test_sigterm_to_the_launcher_stops_both_at_one_saved_step(two_process_run, tmp_path):
+    """A preemption notice: SIGTERM to the launcher once training runs. Both processes stop
+    after the same step and save it, the launcher exits with 143, and resuming the two
+    processes from there gives the losses of the uninterrupted two-process run."""
+    out = tmp_path / "run"
+    process = _launch(out, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").stat().st_size:
+            assert process.poll() is None, process.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        code, output = _finish(process, timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert code == 128 + signal.SIGTERM, output[-4000:]
+    assert "stopped by SIGTERM; continue with" in output
+    logged = [r["step"] for r in read_jsonl(str(out / "metrics.jsonl")) if r["split"] == "train"]
+    stop = logged[-1]
+    assert 1 <= stop < STEPS and logged == list(range(1, stop + 1)), output[-4000:]
+    assert f"stopped by SIGTERM after step {stop}" in (out / "process-1.log").read_text()
+    assert str(stop) in os.listdir(out / "checkpoints")
+
+    code, output = _finish(_launch(out, "--resume", start_new_session=True))
+    assert code == 0, output[-4000:]
+    records = [r for r in read_jsonl(str(out / "metrics.jsonl")) if r["split"] == "train"]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    want = [r for r in read_jsonl(str(two_process_run / "metrics.jsonl")) if r["split"] == "train"]
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in want], rtol=RTOL)
