@@ -240,15 +240,18 @@ def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
 # --- checks --------------------------------------------------------------------------------
 
 
+def dispatchers(model: PyTree) -> list[AbstractDispatcher]:
+    """Every dispatcher strategy inside `model` (one per MoE stack)."""
+    nodes = jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, AbstractDispatcher))
+    return [node for node in nodes if isinstance(node, AbstractDispatcher)]
+
+
 def check_expert_parallel(model: PyTree, mesh: Mesh) -> None:
     """Raises if `model` cannot run sharded on `mesh`: a dispatcher that cannot move tokens
     between devices while the expert axis is > 1, a dispatcher whose axis the mesh lacks or
     that is not the expert axis, or a number of experts that the expert axis does not divide."""
     ep = mesh.shape.get("expert", 1)
-    nodes = jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, AbstractDispatcher))
-    for node in nodes:
-        if not isinstance(node, AbstractDispatcher):
-            continue
+    for node in dispatchers(model):
         if ep > 1 and not type(node).supports_expert_parallel:
             raise ValueError(
                 f"{type(node).__name__} cannot dispatch across devices, and the mesh's expert axis "
