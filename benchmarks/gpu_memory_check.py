@@ -31,7 +31,7 @@ def parse():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--remat", default="full")
-    p.add_argument("--backend", default="pallas")
+    p.add_argument("--backend", default="jnp-capacity")
     p.add_argument("--deviceless", metavar="TARGET_TXTPB", help="compile for this GPU spec")
     p.add_argument("--same-flags", action="store_true", help="the deviceless XLA flags on a GPU")
     p.add_argument("--save-target", metavar="PATH", help="write this GPU's target description")
