@@ -19,8 +19,8 @@ import dropless
 from dropless import cli
 from dropless.cli.parsing import defaults
 from dropless.models.deepseek_v3 import PRESETS, DeepSeekV3Config, get_preset
-from dropless.train.checkpoint import Checkpointer
 from dropless.train.config import TrainConfig
+from dropless.train.store.checkpoint import Checkpointer
 
 SMALL_RUN = [
     "--steps", "6", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "2",

@@ -17,8 +17,8 @@ from dropless.cli.help import HELP_FLAGS, full_help, short_help
 from dropless.cli.options import BACKEND_NAMES, PresetsCommand, TrainCommand, to_options
 from dropless.models.deepseek_v3 import get_preset
 from dropless.train.config import TrainConfig
-from dropless.train.resume import saved_run_config
-from dropless.train.setup import CHECKPOINT_DIR, CONFIG_FILE
+from dropless.train.loop.setup import CHECKPOINT_DIR, CONFIG_FILE
+from dropless.train.store.resume import saved_run_config
 
 
 def flag_value(args: Sequence[str], name: str) -> str | None:

@@ -1,0 +1,224 @@
+"""Metrics: a JSONL log, end-of-run PNG plots, and the loop's callbacks (progress bar,
+TensorBoard).
+
+Each line of `metrics.jsonl` is one record; training records have `"split": "train"` and
+carry step, loss, ce, mtp, balance_loss, seq_balance_loss, z_loss, max_vio, dropped,
+grad_norm, update_norm, param_norm, lr, max_vio_layers (one per MoE layer), step_time,
+tokens_per_s and mfu (`dropless.train.loop.throughput`; null where the device's peak is unknown);
+evaluation records have `"split": "eval"`.
+"""
+
+import json
+import os
+import warnings
+from collections.abc import Iterable
+
+import numpy as np
+from jaxtyping import Float
+
+from dropless.train.store.atomic import write_atomic
+
+
+class MetricsWriter:
+    """Appends records to a JSONL file, one line each, flushed as written.
+
+    `keep_until`: on opening, drop the existing records with a larger step (a resumed run
+    rewrites the steps after its checkpoint); None starts the file afresh. `kept`: the records
+    kept. The file is never truncated in place: the kept records are written to a temporary
+    file that replaces it (`dropless.train.store.atomic`), so a kill while resuming loses nothing.
+    """
+
+    def __init__(self, path: str, *, keep_until: int | None = None):
+        self.path = path
+        self.kept: list[dict] = []
+        if keep_until is not None and os.path.exists(path):
+            self.kept = [r for r in read_jsonl(path) if r.get("step", 0) <= keep_until]
+        write_atomic(path, (json.dumps(record) + "\n" for record in self.kept))
+        self._file = open(path, "a")  # noqa: SIM115 (closed in close())
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """All records of a JSONL file (a torn last line, from a killed run, is skipped)."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def plot_loss(records: Iterable[dict], path: str) -> None:
+    """Training loss, cross-entropy and eval loss against step; MaxVio below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = list(records)
+    train = [r for r in records if r.get("split") == "train"]
+    evals = [r for r in records if r.get("split") == "eval"]
+    fig, (ax_loss, ax_vio) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    steps = [r["step"] for r in train]
+    ax_loss.plot(steps, [r["loss"] for r in train], label="loss (train)", lw=1)
+    ax_loss.plot(steps, [r["ce"] for r in train], label="cross-entropy (train)", lw=1, alpha=0.7)
+    if evals:
+        ax_loss.plot(
+            [r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="loss (eval)"
+        )
+    ax_loss.set_ylabel("loss (nats)")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    ax_vio.plot(steps, [r["max_vio"] for r in train], lw=1, color="tab:red")
+    ax_vio.set_ylabel("MaxVio (mean over MoE layers)")
+    ax_vio.set_xlabel("step")
+    ax_vio.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_expert_load(
+    load: Float[np.ndarray, "layers experts"], path: str, *, layer_names: list[str] | None = None
+) -> None:
+    """Heatmap of each MoE layer's expert load, relative to the layer's mean (1 = balanced)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    load = np.asarray(load, np.float64)
+    relative = load / np.maximum(load.mean(-1, keepdims=True), 1e-12)
+    layers, experts = relative.shape
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.25 * experts + 2), max(2.5, 0.35 * layers + 1.5)))
+    image = ax.imshow(relative, aspect="auto", cmap="viridis", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label="load / mean load")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(layers), layer_names if layer_names is not None else range(layers))
+    ax.set_title("tokens routed per expert, summed over training")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class Callback:
+    """Hooks the training loop calls; override any of them. The loop itself never prints."""
+
+    def on_start(self, info: dict) -> None:
+        """Before the first step: `info` has start_step, steps, out_dir, n_params, backend."""
+
+    def on_step(self, record: dict) -> None:
+        """After every training step (logged to the file or not), with its metrics record."""
+
+    def on_eval(self, record: dict) -> None:
+        """After each evaluation, with its record."""
+
+    def on_checkpoint(self, step: int, path: str) -> None:
+        """After a checkpoint is started."""
+
+    def on_end(self, results) -> None:
+        """After the run (not called when it stops on an error)."""
+
+
+def eval_line(record: dict) -> str:
+    """One evaluation record as a line of text."""
+    return (
+        f"step {record['step']}: eval loss {record['loss']:.4f} "
+        f"(ce {record['ce']:.4f}, max_vio {record['max_vio']:.3f})"
+    )
+
+
+class EvalLines(Callback):
+    """Prints each evaluation as a line (`eval_line`), and nothing else: the output of a run
+    without a progress bar."""
+
+    def __init__(self, file=None):
+        self._file = file
+
+    def on_eval(self, record: dict) -> None:
+        print(eval_line(record), file=self._file, flush=True)
+
+
+class ProgressBar(Callback):
+    """A tqdm progress bar with loss, MaxVio, tokens/s and MFU (where known); eval results as
+    lines."""
+
+    def __init__(self, **tqdm_kwargs):
+        self._kwargs = tqdm_kwargs
+        self._bar = None
+
+    def on_start(self, info: dict) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(
+            total=info["steps"], initial=info["start_step"], unit="step", **self._kwargs
+        )
+
+    def on_step(self, record: dict) -> None:
+        postfix = {
+            "loss": f"{record['loss']:.3f}",
+            "max_vio": f"{record['max_vio']:.2f}",
+            "tok/s": f"{record['tokens_per_s']:.0f}",
+        }
+        if record.get("mfu") is not None:
+            postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(record["step"] - self._bar.n)
+
+    def on_eval(self, record: dict) -> None:
+        self._bar.write(eval_line(record), file=self._kwargs.get("file"))
+
+    def on_end(self, results) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class TensorBoard(Callback):
+    """Writes every scalar of each record to TensorBoard event files under `log_dir`.
+
+    Needs tensorboardX; without it, warns once and does nothing.
+    """
+
+    def __init__(self, log_dir: str):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            warnings.warn(
+                "TensorBoard logging was asked for but tensorboardX is not installed "
+                "(pip install tensorboardX, or pip install 'dropless[tensorboard]'); "
+                "continuing without it",
+                stacklevel=2,
+            )
+            self._writer = None
+        else:
+            self._writer = SummaryWriter(log_dir)
+
+    def _write(self, record: dict, prefix: str) -> None:
+        if self._writer is None:
+            return
+        for name, value in record.items():
+            if name != "step" and isinstance(value, int | float):
+                self._writer.add_scalar(f"{prefix}/{name}", value, record["step"])
+
+    def on_step(self, record: dict) -> None:
+        self._write(record, "train")
+
+    def on_eval(self, record: dict) -> None:
+        self._write(record, "eval")
+
+    def on_end(self, results) -> None:
+        if self._writer is not None:
+            self._writer.close()
