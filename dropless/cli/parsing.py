@@ -17,7 +17,7 @@ from dropless.cli.help import HELP_FLAGS, full_help, short_help
 from dropless.cli.options import BACKEND_NAMES, PresetsCommand, TrainCommand, to_options
 from dropless.models.deepseek_v3 import get_preset
 from dropless.train.config import TrainConfig
-from dropless.train.loop.setup import CHECKPOINT_DIR, CONFIG_FILE
+from dropless.train.store.layout import CHECKPOINT_DIR, CONFIG_FILE
 from dropless.train.store.resume import saved_run_config
 
 

@@ -5,7 +5,7 @@ import math
 from typing import Literal
 
 from dropless.field_types import field_type_error
-from dropless.sharding import parse_mesh
+from dropless.sharding.mesh import parse_mesh
 
 # A bf16 moment m moves by (1 - beta) * (x - m) a step, and a move below half an ulp (2**-9
 # to 2**-8 of m) rounds away. With zero gradients that is a decay by (1 - beta) * m: at

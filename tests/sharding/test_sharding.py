@@ -1,6 +1,6 @@
 """Meshes, the logical-to-mesh table, sharded parameters / optimizer state / batches, and
 `ShardedMoE` against the unsharded layer (8 emulated CPU devices, from tests/conftest.py). The
-train step on a mesh: tests/sharding/test_steps.py."""
+train step on a mesh: tests/train/step/test_sharded.py."""
 
 import equinox as eqx
 import jax

@@ -25,7 +25,6 @@ from dropless import sharding
 from dropless.backends import Backend
 from dropless.data.datasets import AbstractDataset
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
-from dropless.sharding.steps import sharded_eval_step, sharded_train_step
 from dropless.train.config import TrainConfig
 from dropless.train.loop import distributed, offload, setup, throughput
 from dropless.train.loop import metrics as metrics_lib
@@ -34,6 +33,7 @@ from dropless.train.loop.guard import TrainingDiverged, check_step
 from dropless.train.loop.preempt import StopOnSigterm, TrainingPreempted
 from dropless.train.loop.setup import Run
 from dropless.train.loop.throughput import Throughput
+from dropless.train.step.sharded import sharded_eval_step, sharded_train_step
 from dropless.train.step.step import eval_step, hparams, train_step
 
 __all__ = ["TrainingDiverged", "TrainingPreempted", "evaluate", "run_steps", "train"]
@@ -207,7 +207,7 @@ def train(
     and layer unrolling; the training settings may change); the batches, and on CPU the losses,
     are exactly those of an uninterrupted run.
     `mesh` (or `train_config.mesh`; this argument wins): train on a device mesh, e.g.
-    "data=2,expert=4" (see `dropless.sharding.steps`): parameters and optimiser state sharded,
+    "data=2,expert=4" (see `dropless.train.step.sharded`): parameters and optimiser state sharded,
     batches split, the MoE layers on the "ep" backend when expert > 1; the steps equal the
     single-device ones. A mesh of one device is the single-device run.
 

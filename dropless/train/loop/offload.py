@@ -20,8 +20,8 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Int, PyTree
 
 from dropless import sharding
-from dropless.sharding.steps import sharded_train_step
 from dropless.train.step import step as step_lib
+from dropless.train.step.sharded import sharded_train_step
 from dropless.train.step.step import TrainState
 
 HOST = "pinned_host"

@@ -19,7 +19,8 @@ from dropless.data.tokenizer import AbstractTokenizer, ByteTokenizer, load_token
 from dropless.train.config import TrainConfig
 from dropless.train.loop import setup
 from dropless.train.loop.loop import evaluate
-from dropless.train.store.run_dir import TOKENIZER_FILE, LoadedRun
+from dropless.train.store.layout import TOKENIZER_FILE
+from dropless.train.store.run_dir import LoadedRun
 
 EVAL_CLI_SPLIT = "eval_cli"  # the `split` of the records `append_metrics` writes
 

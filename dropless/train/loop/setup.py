@@ -18,24 +18,23 @@ from jax.sharding import Mesh
 from dropless.backends import Backend, get_backend, resolve_backend_name
 from dropless.data.datasets import AbstractDataset, Batch
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
-from dropless.sharding.steps import prepare_model, resolve_mesh, shard_state
 from dropless.train.config import TrainConfig
 from dropless.train.loop import distributed, offload
 from dropless.train.loop import metrics as metrics_lib
 from dropless.train.loop.data_source import DataSource, check_vocab, open_data
+from dropless.train.step.sharded import prepare_model, resolve_mesh, shard_state
 from dropless.train.step.step import TrainState, init_state, moe_layer_names, with_config
 from dropless.train.store.atomic import write_atomic
 from dropless.train.store.checkpoint import Checkpointer, CheckpointError, open_for_resume
+from dropless.train.store.layout import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    CUSTOM_BACKEND,
+    METRICS_FILE,
+    SUMMARY_FILE,
+)
 from dropless.train.store.lock import RunLock
 from dropless.train.store.resume import restore_intact
-
-METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.yaml"
-SUMMARY_FILE = "summary.json"
-CHECKPOINT_DIR = "checkpoints"
-
-# What config.yaml records for a `Backend` value that is no registry name.
-CUSTOM_BACKEND = "custom"
 
 
 @dataclasses.dataclass

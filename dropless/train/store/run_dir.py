@@ -23,11 +23,15 @@ from dropless.backends import Backend, get_backend
 from dropless.data.tokenizer import AbstractTokenizer, load_tokenizer
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.train.config import TrainConfig
-from dropless.train.loop.setup import CHECKPOINT_DIR, CONFIG_FILE, CUSTOM_BACKEND, METRICS_FILE
 from dropless.train.step.step import init_state
 from dropless.train.store.checkpoint import Checkpointer, CheckpointError
-
-TOKENIZER_FILE = "tokenizer.json"
+from dropless.train.store.layout import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    CUSTOM_BACKEND,
+    METRICS_FILE,
+    TOKENIZER_FILE,
+)
 
 
 @dataclasses.dataclass

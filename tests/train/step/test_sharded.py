@@ -1,7 +1,7 @@
-"""The train step on a mesh (`dropless.sharding.steps`) against the unsharded one: its gradient,
+"""The train step on a mesh (`dropless.train.step.sharded`) against the unsharded one: its gradient,
 `sharded_value_and_grad`, under an optimizer on an MoE layer and on the tiny DeepSeek-V3 (every
 kind of mesh axis at once), and `sharded_train_step` itself against `train_step` (8 emulated
-CPU devices, from tests/conftest.py). The whole loop on a mesh: tests/sharding/test_mesh.py."""
+CPU devices, from tests/conftest.py). The whole loop on a mesh: tests/train/loop/test_mesh.py."""
 
 import equinox as eqx
 import jax
@@ -18,13 +18,13 @@ from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
 from dropless.moe import MoE
 from dropless.precision import apply_updates
 from dropless.routing import RoutingSpec
-from dropless.sharding.steps import (
+from dropless.train.config import TrainConfig
+from dropless.train.step.sharded import (
     prepare_model,
     shard_state,
     sharded_train_step,
     sharded_value_and_grad,
 )
-from dropless.train.config import TrainConfig
 from dropless.train.step.step import init_state, train_step
 
 pytestmark = pytest.mark.mesh8  # meshes over the 8 devices (tests/conftest.py)
