@@ -15,16 +15,10 @@ from dropless.data.datasets import (
     token_file_splits,
 )
 from dropless.train.config import TrainConfig
+from dropless.train.loop.callbacks import Callback, EvalLines, ProgressBar, TensorBoard
 from dropless.train.loop.finish import TrainResults
 from dropless.train.loop.loop import TrainingDiverged, TrainingPreempted, evaluate, train
-from dropless.train.loop.metrics import (
-    Callback,
-    EvalLines,
-    MetricsWriter,
-    ProgressBar,
-    TensorBoard,
-    read_jsonl,
-)
+from dropless.train.loop.metrics import MetricsWriter, read_jsonl
 from dropless.train.loop.run_eval import evaluate_run
 from dropless.train.loop.setup import config_dict, make_datasets
 from dropless.train.step.cross_entropy import head_cross_entropy  # not the module's namesake

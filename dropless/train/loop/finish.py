@@ -8,7 +8,8 @@ import numpy as np
 
 from dropless.models.deepseek_v3 import DeepSeekV3
 from dropless.train.loop import distributed, throughput
-from dropless.train.loop import metrics as metrics_lib
+from dropless.train.loop.metrics import read_jsonl
+from dropless.train.loop.plots import plot_expert_load, plot_loss
 from dropless.train.loop.setup import Run
 from dropless.train.step.step import TrainState
 
@@ -66,10 +67,10 @@ class TrainResults:
 def _plot(run: Run) -> None:
     files = run.files
     files["loss_plot"] = os.path.join(run.out_dir, LOSS_PLOT)
-    metrics_lib.plot_loss(metrics_lib.read_jsonl(files["metrics"]), files["loss_plot"])
+    plot_loss(read_jsonl(files["metrics"]), files["loss_plot"])
     if run.layer_names:
         files["load_plot"] = os.path.join(run.out_dir, LOAD_PLOT)
-        metrics_lib.plot_expert_load(
+        plot_expert_load(
             np.asarray(run.state.expert_load), files["load_plot"], layer_names=run.layer_names
         )
 

@@ -8,7 +8,7 @@
 It writes into `out_dir`: `config.yaml` (what ran: rerun with `dropless train --config`),
 `metrics.jsonl` (a record per step and per evaluation), `checkpoints/<step>/` (orbax),
 `loss.png` and `expert_load.png`, `summary.json`. It never prints: progress goes to callbacks
-(`dropless.train.loop.metrics.ProgressBar`, or your own `Callback`). Before the first step:
+(`dropless.train.loop.callbacks.ProgressBar`, or your own `Callback`). Before the first step:
 `dropless.train.loop.setup`; after the last: `dropless.train.loop.finish`.
 """
 
@@ -27,7 +27,7 @@ from dropless.data.datasets import AbstractDataset
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.train.config import TrainConfig
 from dropless.train.loop import distributed, offload, setup, throughput
-from dropless.train.loop import metrics as metrics_lib
+from dropless.train.loop.callbacks import Callback
 from dropless.train.loop.finish import TrainResults, finish
 from dropless.train.loop.guard import TrainingDiverged, check_step
 from dropless.train.loop.preempt import StopOnSigterm, TrainingPreempted
@@ -195,7 +195,7 @@ def train(
     *,
     backend: str | Backend = "auto",
     out_dir: str,
-    callbacks: Sequence[metrics_lib.Callback] = (),
+    callbacks: Sequence[Callback] = (),
     mesh: str | None = None,
 ) -> TrainResults:
     """Trains a DeepSeek-V3 model of `model_config` and writes its results into `out_dir`.

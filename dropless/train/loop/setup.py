@@ -20,8 +20,9 @@ from dropless.data.datasets import AbstractDataset, Batch
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
 from dropless.train.config import TrainConfig
 from dropless.train.loop import distributed, offload
-from dropless.train.loop import metrics as metrics_lib
+from dropless.train.loop.callbacks import Callback, TensorBoard
 from dropless.train.loop.data_source import DataSource, check_vocab, open_data
+from dropless.train.loop.metrics import MetricsWriter
 from dropless.train.step.sharded import prepare_model, resolve_mesh, shard_state
 from dropless.train.step.step import TrainState, init_state, moe_layer_names, with_config
 from dropless.train.store.atomic import write_atomic
@@ -50,8 +51,8 @@ class Run:
     out_dir: str
     files: dict[str, str]  # name -> path of what is written (metrics, config, checkpoints, ...)
     checkpointer: Checkpointer
-    writer: metrics_lib.MetricsWriter
-    callbacks: list[metrics_lib.Callback]
+    writer: MetricsWriter
+    callbacks: list[Callback]
     meta: dict  # saved with every checkpoint
     info: dict  # what `Callback.on_start` receives
     layer_names: list[str]  # rows of `expert_load` / `max_vio_layers`
@@ -210,11 +211,11 @@ def _check_data(
 
 
 def _with_tensorboard(
-    callbacks: Sequence[metrics_lib.Callback], train_config: TrainConfig, out_dir: str
-) -> list[metrics_lib.Callback]:
+    callbacks: Sequence[Callback], train_config: TrainConfig, out_dir: str
+) -> list[Callback]:
     callbacks = list(callbacks)
     if train_config.tensorboard:
-        callbacks.append(metrics_lib.TensorBoard(os.path.join(out_dir, "tensorboard")))
+        callbacks.append(TensorBoard(os.path.join(out_dir, "tensorboard")))
     return callbacks
 
 
@@ -239,7 +240,7 @@ def start(
     *,
     backend: str | Backend,
     out_dir: str,
-    callbacks: Sequence[metrics_lib.Callback],
+    callbacks: Sequence[Callback],
 ) -> Run:
     """Checks the settings, then builds (or restores) the state and opens the output files;
     calls every callback's `on_start`. `backend` is resolved here, once (`get_backend`).
@@ -286,7 +287,7 @@ def _open(
     data: DataSource,
     files: dict[str, str],
     lock: RunLock | None,
-    callbacks: Sequence[metrics_lib.Callback],
+    callbacks: Sequence[Callback],
 ) -> Run:
     """The rest of `start`, once the run directory is locked: the state, config.yaml, the
     metrics file, the callbacks' `on_start`."""

@@ -1,8 +1,5 @@
-"""JSONL writer/reader, plots, TensorBoard fallback."""
+"""The JSONL writer and reader."""
 
-import sys
-
-import numpy as np
 import pytest
 
 from dropless.train.loop import metrics
@@ -23,44 +20,6 @@ def test_writer_keeps_records_up_to_the_resumed_step(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[-1]["loss"] == 0.0
     assert metrics.MetricsWriter(path).close() is None and metrics.read_jsonl(path) == []
-
-
-def _is_png(path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(8) == b"\x89PNG\r\n\x1a\n"
-
-
-def test_plots_are_written(tmp_path):
-    records = [
-        {"split": "train", "step": s, "loss": 5 / s, "ce": 4 / s, "max_vio": 0.5 / s}
-        for s in range(1, 30)
-    ] + [{"split": "eval", "step": 10, "loss": 0.6}, {"split": "eval", "step": 29, "loss": 0.2}]
-    metrics.plot_loss(records, str(tmp_path / "loss.png"))
-    load = np.random.default_rng(0).uniform(50, 150, (4, 16))
-    metrics.plot_expert_load(load, str(tmp_path / "load.png"), layer_names=["1", "2", "3", "mtp0"])
-    for name in ("loss.png", "load.png"):
-        assert _is_png(tmp_path / name) and (tmp_path / name).stat().st_size > 10_000
-
-
-def test_tensorboard_without_tensorboardx_warns_and_continues(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import fails
-    with pytest.warns(UserWarning, match="pip install tensorboardX"):
-        board = metrics.TensorBoard(str(tmp_path))
-    board.on_step({"step": 1, "loss": 1.0})  # a no-op, not an error
-    board.on_end(None)
-
-
-def test_progress_bar_follows_steps(tmp_path):
-    out = open(tmp_path / "bar.txt", "w")  # noqa: SIM115
-    bar = metrics.ProgressBar(file=out)
-    bar.on_start({"start_step": 2, "steps": 10})
-    bar.on_step({"step": 3, "loss": 1.0, "max_vio": 0.1, "tokens_per_s": 100.0})
-    bar.on_eval({"step": 3, "loss": 1.0, "ce": 0.9, "max_vio": 0.1})
-    assert bar._bar.n == 3
-    bar.on_end(None)
-    out.close()
-    text = (tmp_path / "bar.txt").read_text()
-    assert "eval loss 1.0000" in text
 
 
 def test_a_kill_while_resuming_never_loses_the_history(tmp_path, monkeypatch):
