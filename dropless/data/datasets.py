@@ -37,22 +37,25 @@ def _rng(seed: int, split: str, step: int) -> np.random.Generator:
 
 
 class AbstractDataset(abc.ABC):
-    """A source of token batches that depend only on (seed, split, step)."""
+    """A source of token batches that depend only on (seed, split, step).
+
+    A dataset fills in `batch_rows`; `batch` is the whole batch."""
 
     @abc.abstractmethod
+    def batch_rows(
+        self, step: int, rows: slice, *, seed: int, batch_size: int, seq_len: int, split: str
+    ) -> Batch:
+        """Rows `rows` of the batch number `step` of `split` ("train" or "eval") for this
+        `seed`: one process's share of a global batch (`slice(None)`: all of it). The rows are
+        those of the whole batch, whichever of them are asked for."""
+
     def batch(
         self, step: int, *, seed: int, batch_size: int, seq_len: int, split: str = "train"
     ) -> Batch:
         """The batch number `step` of `split` ("train" or "eval") for this `seed`."""
-
-    def batch_rows(
-        self, step: int, rows: slice, *, seed: int, batch_size: int, seq_len: int, split: str
-    ) -> Batch:
-        """Rows `rows` of `batch(step, ...)`: one process's share of a global batch. This
-        default draws the whole batch and keeps the rows; a dataset that can read rows alone
-        overrides it."""
-        whole = self.batch(step, seed=seed, batch_size=batch_size, seq_len=seq_len, split=split)
-        return Batch(tokens=whole.tokens[rows], language=whole.language[rows])
+        return self.batch_rows(
+            step, slice(None), seed=seed, batch_size=batch_size, seq_len=seq_len, split=split
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +127,11 @@ class SyntheticCorpus(AbstractDataset):
                 ent -= np.sum(merged * np.log(merged))
         return float(ent / (self.n_languages * members.shape[1]))
 
-    def batch(
-        self, step: int, *, seed: int, batch_size: int, seq_len: int, split: str = "train"
+    def batch_rows(
+        self, step: int, rows: slice, *, seed: int, batch_size: int, seq_len: int, split: str
     ) -> Batch:
+        """Draws the whole batch (each sequence continues the random stream of the ones before
+        it) and keeps `rows`."""
         members, successors, cdf = self._tables
         rng = _rng(seed, split, step)
         window = seq_len + 1
@@ -138,7 +143,7 @@ class SyntheticCorpus(AbstractDataset):
             prev = tokens[:, t - 1]
             choice = (u[:, t, None] > cdf[language, prev]).sum(-1)
             tokens[:, t] = successors[language, prev, choice]
-        return Batch(tokens=tokens.astype(np.int32), language=language.astype(np.int32))
+        return Batch(tokens=tokens[rows].astype(np.int32), language=language[rows].astype(np.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,29 +183,16 @@ class TokenFile(AbstractDataset):
         stop = len(self.tokens) if self.stop is None else min(self.stop, len(self.tokens))
         return self.start, stop
 
-    def batch(
-        self, step: int, *, seed: int, batch_size: int, seq_len: int, split: str = "train"
+    def batch_rows(
+        self, step: int, rows: slice, *, seed: int, batch_size: int, seq_len: int, split: str
     ) -> Batch:
+        """Reads only the windows of `rows`."""
         start, stop = self._range
         window = seq_len + 1
         if stop - start < window:
             raise ValueError(
                 f"token file {self.path} holds {stop - start} tokens in [{start}, {stop}), "
                 f"fewer than one window of seq_len + 1 = {window}"
-            )
-        offsets = _rng(seed, split, step).integers(start, stop - window + 1, batch_size)
-        tokens = np.stack([np.asarray(self.tokens[o : o + window]) for o in offsets])
-        return Batch(tokens=tokens.astype(np.int32), language=np.full((batch_size,), -1, np.int32))
-
-    def batch_rows(
-        self, step: int, rows: slice, *, seed: int, batch_size: int, seq_len: int, split: str
-    ) -> Batch:
-        """Rows `rows` of `batch(step, ...)`, reading only their windows."""
-        start, stop = self._range
-        window = seq_len + 1
-        if stop - start < window:  # the whole batch's error
-            return super().batch_rows(
-                step, rows, seed=seed, batch_size=batch_size, seq_len=seq_len, split=split
             )
         offsets = _rng(seed, split, step).integers(start, stop - window + 1, batch_size)[rows]
         tokens = np.stack([np.asarray(self.tokens[o : o + window]) for o in offsets])
