@@ -293,6 +293,20 @@ def test_unknown_backend_lists_the_choices(capsys):
     assert "nope" in err and "'jnp'" in err and "'auto'" in err
 
 
+def test_a_registered_backend_reaches_the_command_line(monkeypatch, capsys):
+    factory = lambda: dropless.Backend(gmm=dropless.backends.RaggedDot())  # noqa: E731
+    monkeypatch.setitem(dropless.BACKENDS, "mine", factory)
+    assert cli.parse(["train", "--backend", "mine"]).backend == "mine"
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help-all"])
+    choices = capsys.readouterr().out.split("--backend {", 1)[1].split("}", 1)[0]
+    assert "mine" in choices.replace(" ", "").replace("\n", "").split(",")
+    monkeypatch.delitem(dropless.BACKENDS, "mine")
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse(["train", "--backend", "mine"])
+    assert exit_.value.code == 2
+
+
 @pytest.mark.parametrize("backend", ["te", "pallas"])
 def test_a_backend_that_cannot_load_is_one_line_and_writes_nothing(backend, tmp_path, capsys):
     if backend in dropless.available_backends():
