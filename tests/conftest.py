@@ -45,9 +45,8 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("DROPLESS_HYPOTHESIS_PROFILE", "ci"))
 
-# No persistent compilation cache: with jax 0.10.2 on the CPU, test workers segfaulted inside
-# XLA while reading an executable from it (two clean-clone CI runs, 2026-12-05) and while
-# serialising one into it (`put_executable_and_time`, a local run the same day).
+# No persistent compilation cache: with jax 0.10.2 on the CPU, test workers segfault inside
+# XLA reading an executable from it and serialising one into it (`put_executable_and_time`).
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -55,8 +54,7 @@ def _release_compiled_programs():
     """Drop JAX's compiled programs after each test module. On the CPU each one holds memory
     mappings of its machine code, and a test worker that keeps them all passes the kernel's
     65,530 mappings per process (`vm.max_map_count`) before the suite ends: XLA then aborts
-    inside a compilation (two clean-clone CI runs, 2026-12-05, in different tests; one worker
-    held 27,000 mappings after 3.5 minutes of tests)."""
+    inside a compilation (a worker holds about 27,000 mappings after 3.5 minutes of tests)."""
     yield
     jax.clear_caches()
     gc.collect()

@@ -46,9 +46,9 @@ Op = Literal["fwd", "dgrad", "wgrad"]
 # Chosen on one GPU by tune_pallas.py, keyed by the operation and the forward's (in width, out
 # width): "fwd" is x @ w, "dgrad" g @ w.T, "wgrad" x.T @ g per group. Shapes not listed get the
 # default BlockConfig. A JSON file of the same entries (tune_pallas.py --tiles-out), named by
-# $DROPLESS_PALLAS_TILES, adds to or overrides it. Empty on purpose: the 12 tilings found on an
-# H200 were searched on balanced groups only, and on uneven groups 8 of the 24 exactness tests
-# (test_pallas_tiles_are_exact) then failed; the search now rejects inexact tilings.
+# $DROPLESS_PALLAS_TILES, adds to or overrides it. Empty: tilings searched on balanced groups
+# alone are not exact on uneven ones (test_pallas_tiles_are_exact checks every entry), and
+# tune_pallas.py keeps only the exact ones.
 TUNED: dict[tuple[Op, int, int], BlockConfig] = {}
 TILES_ENV = "DROPLESS_PALLAS_TILES"
 
@@ -189,8 +189,8 @@ class PallasGroupedMatmul(AbstractFusedSwiGLUMatmul):
     """Grouped GEMM on Mosaic GPU kernels (Hopper, bf16/fp16), with an exact custom VJP.
     `fallback`: the strategy for expert widths the kernels cannot tile (not multiples of 128);
     without one, such widths raise. `fused_swiglu`: the experts' gate-and-up matmul computes its
-    SwiGLU in the kernel's epilogue (`pallas_gate_up_swiglu`); opt-in, since it made the
-    proxy-2b step 3% slower on an H200 (benchmarks/results/train_step_h200.json)."""
+    SwiGLU in the kernel's epilogue (`pallas_gate_up_swiglu`); opt-in, since the proxy-2b step
+    is 3% slower with it on an H200 (benchmarks/results/train_step_h200.json)."""
 
     requires_gpu: ClassVar[bool] = True
     compute_dtype: str = eqx.field(default="bfloat16", static=True)
