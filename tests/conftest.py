@@ -1,5 +1,6 @@
 """Test-wide settings: 8 emulated CPU devices (for expert parallelism), hypothesis profiles,
-the `gpu` marker, the one list of backends under test, and fixtures that read programs."""
+the `gpu` marker, the one list of backends under test, the one short TrainConfig of the tests'
+runs, and fixtures that read programs."""
 
 import os
 
@@ -105,6 +106,28 @@ def backends_under_test() -> list[str]:
 def pytest_generate_tests(metafunc):
     if "backend_name" in metafunc.fixturenames:
         metafunc.parametrize("backend_name", backends_under_test())
+
+
+# The tests' short run: 3 steps of 8 sequences x 32 tokens, one warm-up step, no evaluation,
+# checkpoints or plots.
+SHORT_RUN = dict(
+    steps=3,
+    batch_size=8,
+    seq_len=32,
+    warmup_steps=1,
+    eval_every=0,
+    eval_batches=1,
+    checkpoint_every=0,
+    plots=False,
+)
+
+
+@pytest.fixture(scope="session")
+def train_config():
+    """**changes -> the tests' short `TrainConfig` (`SHORT_RUN`) with `changes` applied."""
+    from dropless.train import TrainConfig
+
+    return lambda **changes: TrainConfig(**{**SHORT_RUN, **changes})
 
 
 def _dot_generals(jaxpr) -> list:

@@ -79,18 +79,8 @@ def test_the_tokenizer_sets_the_vocabulary_unless_given(prepared):
 
 
 @pytest.mark.slow  # compiles a step of its own (vocabulary 258)
-def test_training_on_a_prepared_directory_records_it(prepared, tmp_path):
-    config = TrainConfig(
-        data=str(prepared),
-        steps=3,
-        batch_size=8,
-        seq_len=32,
-        warmup_steps=1,
-        eval_every=0,
-        eval_batches=1,
-        checkpoint_every=0,
-        plots=False,
-    )
+def test_training_on_a_prepared_directory_records_it(prepared, tmp_path, train_config):
+    config = train_config(data=str(prepared))
     # a dense and an MoE layer, no MTP block: the run records its data whatever the model
     model = TINY.replace(vocab_size=258, num_hidden_layers=2, num_nextn_predict_layers=0)
     results = train(model, config, backend="jnp", out_dir=str(tmp_path))

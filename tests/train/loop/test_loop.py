@@ -6,6 +6,7 @@ the module (tests/conftest.py drops compiled programs between modules).
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -28,7 +29,6 @@ from dropless.train import (
     Callback,
     Checkpointer,
     CheckpointError,
-    TrainConfig,
     TrainingDiverged,
     TrainingPreempted,
     config_dict,
@@ -44,20 +44,11 @@ from dropless.train.store.lock import RunDirectoryLocked, RunLock
 TINY = get_preset("tiny", num_hidden_layers=2)
 
 
-def config(**changes) -> TrainConfig:
-    # the synthetic corpus: the tests below rely on its vocabulary (uniform loss log 512)
-    base = TrainConfig(
-        data="synthetic",
-        steps=40,
-        batch_size=8,
-        seq_len=32,
-        warmup_steps=5,
-        eval_every=0,
-        eval_batches=1,
-        checkpoint_every=0,
-        plots=False,
-    )
-    return dataclasses.replace(base, **changes)
+@pytest.fixture(scope="module")
+def config(train_config):
+    """The tests' short run on the synthetic corpus, 40 steps long: the tests below rely on its
+    vocabulary (uniform loss log 512)."""
+    return functools.partial(train_config, data="synthetic", steps=40, warmup_steps=5)
 
 
 class Interrupt(Exception):
@@ -85,7 +76,7 @@ def _without_timing(record: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_loss_decreases_on_the_synthetic_corpus(tmp_path):
+def test_loss_decreases_on_the_synthetic_corpus(tmp_path, config):
     results = train(TINY, config(), backend="jnp", out_dir=str(tmp_path))
     ce = [r["ce"] for r in results.records]
     assert len(ce) == 40
@@ -97,7 +88,7 @@ def test_loss_decreases_on_the_synthetic_corpus(tmp_path):
 
 
 @pytest.mark.slow
-def test_bias_balancing_lowers_max_vio(tmp_path):
+def test_bias_balancing_lowers_max_vio(tmp_path, config):
     runs = {}
     for rate in (0.0, 1e-2):
         runs[rate] = train(
@@ -116,7 +107,7 @@ def test_bias_balancing_lowers_max_vio(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, config):
     settings = config(steps=12, checkpoint_every=4, eval_every=6)
     full = train(TINY, settings, backend="jnp", out_dir=str(tmp_path / "full"))
     assert Checkpointer(str(tmp_path / "full" / "checkpoints")).steps() == [4, 8, 12]
@@ -164,7 +155,7 @@ class SigtermAt(Callback):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_the_step_and_stops_and_resume_continues_exactly(tmp_path):
+def test_sigterm_saves_the_step_and_stops_and_resume_continues_exactly(tmp_path, config):
     """No periodic checkpoints: the one SIGTERM's stop saves is all there is to resume from.
     The handler is this run's only: the process's own stays in place before and after."""
     settings = config(steps=6, eval_every=0)
@@ -186,7 +177,7 @@ def test_sigterm_saves_the_step_and_stops_and_resume_continues_exactly(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_model_without_moe_layers_checkpoints_and_resumes(tmp_path):
+def test_a_model_without_moe_layers_checkpoints_and_resumes(tmp_path, config):
     """One dense layer, no MTP block: no MoE statistics (a 0 x experts expert load), a run
     like any other, with plots."""
     dense = TINY.replace(num_hidden_layers=1, num_nextn_predict_layers=0)
@@ -205,7 +196,7 @@ def test_a_model_without_moe_layers_checkpoints_and_resumes(tmp_path):
     assert os.path.exists(resumed.files["loss_plot"])
 
 
-def test_an_evaluation_cut_short_runs_again_on_resume(tmp_path):
+def test_an_evaluation_cut_short_runs_again_on_resume(tmp_path, config):
     out = str(tmp_path)
     settings = config(steps=8, checkpoint_every=4, eval_every=4)
     for interrupted_at in (4, 8):  # mid-run, then the final evaluation
@@ -228,7 +219,7 @@ def _leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
 
 
-def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, config):
     out = str(tmp_path)
     settings = config(steps=8, checkpoint_every=2)
     with pytest.raises(Interrupt):
@@ -240,16 +231,16 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     assert "diverged at step 5" in str(err.value)
     checkpoints = Checkpointer(str(tmp_path / "checkpoints"))
     assert checkpoints.steps() == [2, 4]
-    state, _ = checkpoints.restore(init_state_like())
+    state, _ = checkpoints.restore(init_state_like(config))
     assert all(np.isfinite(x).all() for x in _leaves(state))
     assert all(math.isfinite(r["loss"]) for r in read_jsonl(str(tmp_path / "metrics.jsonl")))
 
 
-def init_state_like():
+def init_state_like(config):
     return init_state(DeepSeekV3(TINY, key=jax.random.key(0)), config())
 
 
-def test_token_file_training_and_out_of_vocabulary_ids(tmp_path):
+def test_token_file_training_and_out_of_vocabulary_ids(tmp_path, config):
     good = tmp_path / "good.bin"
     np.random.default_rng(0).integers(0, 512, 5000).astype(np.uint16).tofile(good)
     results = train(
@@ -272,7 +263,7 @@ def test_token_file_training_and_out_of_vocabulary_ids(tmp_path):
         train(TINY, config(data=str(bad)), backend="jnp", out_dir=str(tmp_path / "bad"))
 
 
-def test_a_warmup_longer_than_the_run_warns():
+def test_a_warmup_longer_than_the_run_warns(config):
     with pytest.warns(UserWarning, match=r"warmup_steps \(20\) > steps \(5\): the learning"):
         setup.validate(TINY, config(steps=5, warmup_steps=20))
     with warnings.catch_warnings():
@@ -280,7 +271,7 @@ def test_a_warmup_longer_than_the_run_warns():
         setup.validate(TINY, config(steps=20, warmup_steps=20))  # reaches lr at the last step
 
 
-def test_bad_settings_are_clear_errors(tmp_path):
+def test_bad_settings_are_clear_errors(tmp_path, config):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         train(TINY, config(seq_len=1024), backend="jnp", out_dir=str(tmp_path / "a"))
     with pytest.raises(ValueError, match="TrainConfig.batch_size"):
@@ -291,10 +282,10 @@ def test_bad_settings_are_clear_errors(tmp_path):
         train(TINY, config(resume=True), backend="jnp", out_dir=str(tmp_path / "c"))
 
 
-def test_checkpoints_of_another_run_are_not_overwritten_or_misused(tmp_path):
+def test_checkpoints_of_another_run_are_not_overwritten_or_misused(tmp_path, config):
     checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
     meta = {"config": config_dict(TINY, config(), "jnp")}
-    checkpointer.save(3, init_state_like(), meta)
+    checkpointer.save(3, init_state_like(config), meta)
     checkpointer.close()
     with pytest.raises(CheckpointError, match="already holds checkpoints"):
         train(TINY, config(), backend="jnp", out_dir=str(tmp_path))
@@ -303,7 +294,7 @@ def test_checkpoints_of_another_run_are_not_overwritten_or_misused(tmp_path):
         train(other, config(resume=True), backend="jnp", out_dir=str(tmp_path))
 
 
-def test_a_backend_value_runs_as_its_name_does(tmp_path):
+def test_a_backend_value_runs_as_its_name_does(tmp_path, config):
     """`train` takes a `Backend` value as well as a name (resolved once, at this edge)."""
     settings = config(steps=2, warmup_steps=1)
     named = train(TINY, settings, backend="jnp", out_dir=str(tmp_path / "named"))
@@ -312,7 +303,7 @@ def test_a_backend_value_runs_as_its_name_does(tmp_path):
     assert "backend: custom" in (tmp_path / "v" / "config.yaml").read_text()
 
 
-def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(tmp_path):
+def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(tmp_path, config):
     """Another process holds the run directory: `train` refuses it before writing anything,
     naming that process; once the holder dies (SIGKILL), the OS has released the lock."""
     holder = subprocess.Popen(
@@ -341,7 +332,7 @@ def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_resume_passes_over_broken_checkpoints_to_the_newest_intact_one(tmp_path):
+def test_resume_passes_over_broken_checkpoints_to_the_newest_intact_one(tmp_path, config):
     out = str(tmp_path)
     settings = config(steps=6, checkpoint_every=2, warmup_steps=0)
     full = train(TINY, settings, backend="jnp", out_dir=out)
@@ -375,7 +366,7 @@ def test_resume_passes_over_broken_checkpoints_to_the_newest_intact_one(tmp_path
         train(TINY, bad_step, backend="jnp", out_dir=out)
 
 
-def test_an_absurd_update_is_never_saved_and_the_named_checkpoint_resumes(tmp_path):
+def test_an_absurd_update_is_never_saved_and_the_named_checkpoint_resumes(tmp_path, config):
     """At lr 1e6 the updates stay finite for a while (AdamW normalises the gradient) but
     replace the model; the step that does so is stopped before its checkpoint, and the
     checkpoint the message names resumes at a sane learning rate without diverging."""

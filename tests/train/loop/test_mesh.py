@@ -7,7 +7,7 @@ layer, one MTP block) at batch 16 x 32 tokens keeps the compiles short; the runs
 and one single-device run is the reference of every comparison.
 """
 
-import dataclasses
+import functools
 
 import equinox as eqx
 import jax
@@ -16,7 +16,7 @@ import pytest
 
 from dropless import cli
 from dropless.models.deepseek_v3 import get_preset
-from dropless.train import TrainConfig, read_jsonl, train
+from dropless.train import read_jsonl, train
 
 MODEL = get_preset("tiny", num_hidden_layers=2)
 MESH = "data=2,expert=4"
@@ -25,28 +25,19 @@ RTOL = 1e-5
 pytestmark = pytest.mark.mesh8
 
 
-def config(**changes) -> TrainConfig:
-    base = TrainConfig(
-        steps=3,
-        batch_size=16,  # the micro-batch test splits it in two
-        seq_len=32,
-        warmup_steps=1,
-        eval_every=0,
-        eval_batches=1,
-        checkpoint_every=0,
-        plots=False,
-    )
-    return dataclasses.replace(base, **changes)
+@pytest.fixture(scope="module")
+def config(train_config):
+    return functools.partial(train_config, batch_size=16)  # the micro-batch test splits it
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
+def single(tmp_path_factory, config):
     """The single-device run that the mesh runs are compared with."""
     return train(MODEL, config(), out_dir=str(tmp_path_factory.mktemp("single")))
 
 
 @pytest.mark.slow
-def test_mesh_run_equals_single_device_run_and_resumes(single, tmp_path):
+def test_mesh_run_equals_single_device_run_and_resumes(single, tmp_path, config):
     # Two steps on the mesh (checkpointed at the end), then resumed to three: the restore goes
     # into the shardings of the freshly placed state. With warmup 1 the learning rates of
     # steps 1-2 do not depend on `steps`, so the three losses are those of one 3-step run.
@@ -75,7 +66,7 @@ def test_mesh_run_equals_single_device_run_and_resumes(single, tmp_path):
 
 
 @pytest.mark.slow
-def test_mesh_run_in_micro_batches_equals_single_device_run(single, tmp_path):
+def test_mesh_run_in_micro_batches_equals_single_device_run(single, tmp_path, config):
     """Batch 16 in two micro-batches of 8 (strided slices of the sharded batch): the losses and
     loads of one pass over the batch on one device."""
     micro = train(MODEL, config(micro_batches=2), out_dir=str(tmp_path), mesh=MESH)
@@ -86,7 +77,7 @@ def test_mesh_run_in_micro_batches_equals_single_device_run(single, tmp_path):
 
 
 @pytest.mark.slow
-def test_mesh_run_with_the_loss_in_chunks_equals_single_device_run(single, tmp_path):
+def test_mesh_run_with_the_loss_in_chunks_equals_single_device_run(single, tmp_path, config):
     """`loss_chunk` on a mesh (each shard's positions walked in chunks of 12, which divides no
     power of two, so every shard's last chunk is padded): the losses and loads of the one-pass
     loss on one device."""
@@ -111,7 +102,7 @@ def test_mesh_run_with_the_loss_in_chunks_equals_single_device_run(single, tmp_p
         ({}, {}, "data=2,tensor=4", "unknown axis"),
     ],
 )
-def test_bad_meshes_are_clear_errors(tmp_path, model_changes, changes, mesh, message):
+def test_bad_meshes_are_clear_errors(tmp_path, model_changes, changes, mesh, message, config):
     model = MODEL.replace(**model_changes)
     with pytest.raises(ValueError, match=message):
         train(model, config(**changes), out_dir=str(tmp_path), mesh=mesh)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from dropless.models.deepseek_v3 import get_preset
-from dropless.train import TrainConfig, read_jsonl, train
+from dropless.train import read_jsonl, train
 
 pytestmark = [pytest.mark.mesh8, pytest.mark.slow]
 
@@ -36,18 +36,6 @@ TIMEOUT_S = 540
 # and the difference grows a little through the Adam steps: 1e-5 relative (measured: 1.5e-7).
 RTOL = 1e-5
 MODEL = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
-CONFIG = TrainConfig(
-    steps=STEPS,
-    batch_size=8,
-    seq_len=32,
-    warmup_steps=1,
-    eval_every=0,
-    eval_batches=1,
-    checkpoint_every=CHECKPOINT_EVERY,
-    data="synthetic",
-    plots=False,
-    mesh=MESH,
-)
 FLAGS = [
     "--model.num-hidden-layers", "2",
     "--model.num-nextn-predict-layers", "0",
@@ -104,7 +92,9 @@ def two_process_run(tmp_path_factory):
     return out
 
 
-def test_two_processes_equal_one_and_resume_in_one(two_process_run, tmp_path):
+def test_two_processes_equal_one_and_resume_in_one(two_process_run, tmp_path, train_config):
+    # the run of FLAGS
+    config = dict(steps=STEPS, checkpoint_every=CHECKPOINT_EVERY, data="synthetic", mesh=MESH)
     records = [
         r for r in read_jsonl(str(two_process_run / "metrics.jsonl")) if r["split"] == "train"
     ]
@@ -114,7 +104,7 @@ def test_two_processes_equal_one_and_resume_in_one(two_process_run, tmp_path):
     assert (two_process_run / "summary.json").exists()
     assert (two_process_run / "process-1.log").exists()
 
-    single = train(MODEL, CONFIG, out_dir=str(tmp_path / "one"))
+    single = train(MODEL, train_config(**config), out_dir=str(tmp_path / "one"))
     want = single.losses
     got = [r["loss"] for r in records]
     print("max relative loss difference:", np.max(np.abs(np.subtract(got, want)) / want))
@@ -128,9 +118,7 @@ def test_two_processes_equal_one_and_resume_in_one(two_process_run, tmp_path):
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(two_process_run, resumed_dir)
     shutil.rmtree(resumed_dir / "checkpoints" / str(STEPS))
-    resumed = train(
-        MODEL, TrainConfig(**{**vars(CONFIG), "resume": True}), out_dir=str(resumed_dir)
-    )
+    resumed = train(MODEL, train_config(**config, resume=True), out_dir=str(resumed_dir))
     assert [r["step"] for r in resumed.records] == list(range(CHECKPOINT_EVERY + 1, STEPS + 1))
     np.testing.assert_allclose(resumed.losses, want[CHECKPOINT_EVERY:], rtol=RTOL)
     np.testing.assert_allclose(resumed.expert_load, single.expert_load, rtol=RTOL)

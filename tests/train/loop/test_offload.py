@@ -3,14 +3,12 @@ host memory between steps and the runs equal the in-device ones, on one device a
 The CPU backend labels the memory but holds both kinds in the same RAM; the `gpu` test measures
 the device memory saved."""
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
 
 from dropless.models.deepseek_v3 import get_preset
-from dropless.train import TrainConfig, train
+from dropless.train import train
 from dropless.train.loop import offload
 
 # One dense and one MoE layer, no MTP block: which layers there are matters not to where the
@@ -18,18 +16,9 @@ from dropless.train.loop import offload
 MODEL = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
 
 
-def config(**changes) -> TrainConfig:
-    base = TrainConfig(
-        steps=3,
-        batch_size=8,
-        seq_len=32,
-        warmup_steps=1,
-        eval_every=0,
-        eval_batches=1,
-        checkpoint_every=0,
-        plots=False,
-    )
-    return dataclasses.replace(base, **changes)
+@pytest.fixture(scope="module")
+def config(train_config):
+    return train_config
 
 
 def _assert_same_run(got, want):
@@ -44,7 +33,7 @@ def _assert_same_run(got, want):
 
 
 @pytest.mark.slow
-def test_offloaded_run_equals_in_device_run(tmp_path):
+def test_offloaded_run_equals_in_device_run(tmp_path, config):
     want = train(MODEL, config(), out_dir=str(tmp_path / "device"))
     got = train(MODEL, config(offload_optimizer=True), out_dir=str(tmp_path / "host"))
     _assert_same_run(got, want)
@@ -57,7 +46,7 @@ def test_offloaded_run_equals_in_device_run(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.mesh8
-def test_offloaded_mesh_run_equals_in_device_run(tmp_path):
+def test_offloaded_mesh_run_equals_in_device_run(tmp_path, config):
     mesh = "data=2,expert=4"
     want = train(MODEL, config(mesh=mesh), out_dir=str(tmp_path / "device"))
     got = train(MODEL, config(mesh=mesh, offload_optimizer=True), out_dir=str(tmp_path / "host"))
@@ -67,7 +56,7 @@ def test_offloaded_mesh_run_equals_in_device_run(tmp_path):
 
 
 @pytest.mark.gpu
-def test_offload_frees_device_memory(tmp_path):
+def test_offload_frees_device_memory(tmp_path, config):
     if jax.devices()[0].platform != "gpu":
         pytest.skip("needs a GPU")
     model = get_preset("small")
