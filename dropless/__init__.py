@@ -23,7 +23,7 @@ from dropless.balance import (
     tokens_per_expert,
     update_expert_bias,
 )
-from dropless.dispatch import AbstractDispatcher, Dispatched
+from dropless.dispatch import AbstractDispatcher, AbstractExpertParallelDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul, GroupedExperts
 from dropless.moe import MoE, MoEStats, routing_stats
 from dropless.routing import AbstractTopK, JnpTopK, Routing, RoutingSpec, TopKRouter
@@ -32,6 +32,7 @@ from dropless.swiglu import SwiGLU
 __all__ = [
     "BACKENDS",
     "AbstractDispatcher",
+    "AbstractExpertParallelDispatcher",
     "AbstractGroupedMatmul",
     "AbstractTopK",
     "Backend",

@@ -35,7 +35,7 @@ from dropless.backends.backend import Backend
 from dropless.backends.chunked import ChunkedGroupedMatmul
 from dropless.backends.sort import permute_rows
 from dropless.balance import expert_counts
-from dropless.dispatch import AbstractDispatcher, Dispatched
+from dropless.dispatch import AbstractExpertParallelDispatcher, Dispatched
 from dropless.routing import JnpTopK
 
 Exchange = Literal["auto", "all_to_all", "ragged"]
@@ -227,7 +227,7 @@ def check_ep_settings(axis_name, recv_factor) -> None:
         )
 
 
-class AllToAllDispatcher(AbstractDispatcher):
+class AllToAllDispatcher(AbstractExpertParallelDispatcher):
     """Expert-parallel dispatch over the mesh axis `axis_name` (run inside `jax.shard_map`).
 
     - `recv_factor`: None (default) sizes the receive buffer for the worst case, so nothing can
@@ -247,7 +247,7 @@ class AllToAllDispatcher(AbstractDispatcher):
     overflow: Overflow = eqx.field(default="raise", static=True)
     exchange: Exchange = eqx.field(default="auto", static=True)
 
-    supports_expert_parallel: ClassVar[bool] = True
+    requires_gpu: ClassVar[bool] = False
 
     def __check_init__(self):
         check_ep_settings(self.axis_name, self.recv_factor)

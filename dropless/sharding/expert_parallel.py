@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PyTree
 
 from dropless import balance
-from dropless.dispatch import AbstractDispatcher
+from dropless.dispatch import AbstractDispatcher, AbstractExpertParallelDispatcher
 from dropless.moe import MoE, MoEStats
 from dropless.sharding.mesh import AXIS_RULES, axes_size, batch_axes, batch_spec
 from dropless.sharding.specs import FSDP_MIN_SIZE, gather_fsdp, param_specs
@@ -31,19 +31,22 @@ def check_expert_parallel(model: PyTree, mesh: Mesh) -> None:
     that is not the expert axis, or a number of experts that the expert axis does not divide."""
     ep = mesh.shape.get("expert", 1)
     for node in dispatchers(model):
-        if ep > 1 and not type(node).supports_expert_parallel:
+        parallel = isinstance(node, AbstractExpertParallelDispatcher)
+        if ep > 1 and not parallel:
             raise ValueError(
                 f"{type(node).__name__} cannot dispatch across devices, and the mesh's expert axis "
                 f"has size {ep}; use dropless.with_backend(model, 'ep') (or expert=1)"
             )
-        axis = getattr(node, "axis_name", None)
-        if type(node).supports_expert_parallel and axis is not None and axis not in mesh.shape:
+        if not parallel:
+            continue
+        axis = node.axis_name
+        if axis not in mesh.shape:
             raise ValueError(
                 f"{type(node).__name__}.axis_name is {axis!r}, which is not an axis of the mesh "
                 f"{dict(mesh.shape)}"
             )
         expert_axes = AXIS_RULES["experts"]
-        if axis is not None and axis not in expert_axes and mesh.shape.get(axis, 1) > 1:
+        if axis not in expert_axes and mesh.shape.get(axis, 1) > 1:
             raise ValueError(
                 f"{type(node).__name__}.axis_name is {axis!r}, but the experts are split over "
                 f"{expert_axes[0]!r} (size {ep}); dispatch over that axis"

@@ -25,6 +25,7 @@ from dropless.backends.ep import (
     ragged_bound,
     resolve_exchange,
 )
+from dropless.dispatch import AbstractExpertParallelDispatcher
 from dropless.moe import MoE
 from dropless.routing import RoutingSpec
 
@@ -352,7 +353,7 @@ def test_registry_entry():
     bundle = get_backend("ep")
     assert isinstance(bundle.dispatcher, AllToAllDispatcher)
     assert bundle.dispatcher.axis_name == "expert"
-    assert type(bundle.dispatcher).supports_expert_parallel
+    assert isinstance(bundle.dispatcher, AbstractExpertParallelDispatcher)
     assert not bundle.requires_gpu
     custom = ep_backend(recv_factor=1.5, overflow="drop")
     assert custom.dispatcher.recv_factor == 1.5 and custom.dispatcher.overflow == "drop"

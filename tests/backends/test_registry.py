@@ -25,12 +25,16 @@ from dropless.routing import AbstractTopK, JnpTopK, RoutingSpec
 class MarkedTopK(AbstractTopK):
     """`JnpTopK`'s routing, a type of its own to see whether a swap kept it."""
 
+    requires_gpu = False
+
     def _impl(self, logits, bias, spec):
         return JnpTopK()(logits, bias, spec)
 
 
 class MarkedDispatcher(AbstractRowWeightsDispatcher):
     """`SortDispatcher`'s dispatch, a type of its own."""
+
+    requires_gpu = False
 
     def _dispatch(self, x, routing):
         return SortDispatcher()._dispatch(x, routing)

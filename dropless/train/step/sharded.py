@@ -30,6 +30,7 @@ from jaxtyping import Array, Int, PyTree
 from dropless import sharding
 from dropless.backends import with_backend
 from dropless.backends.ep import ep_backend
+from dropless.dispatch import AbstractExpertParallelDispatcher
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     DeepSeekV3Config,
@@ -94,7 +95,9 @@ def prepare_model(model: DeepSeekV3, mesh: Mesh) -> DeepSeekV3:
     see `shard_state`). When the expert axis is > 1, a model whose dispatchers cannot move
     tokens between devices gets the "ep" backend; an expert-parallel one (`nccl_ep`, an
     `ep_backend(recv_factor=...)`) keeps its own."""
-    exchanging = all(type(d).supports_expert_parallel for d in sharding.dispatchers(model))
+    exchanging = all(
+        isinstance(d, AbstractExpertParallelDispatcher) for d in sharding.dispatchers(model)
+    )
     if mesh.shape["expert"] > 1 and not exchanging:
         model = with_backend(model, ep_backend())
     sharding.check_expert_parallel(model, mesh)
