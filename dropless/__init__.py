@@ -8,6 +8,7 @@ are swapped with `with_backend(model, backend)`, a `Backend` or a registry name.
 
 from dropless.backends import (
     BACKENDS,
+    AutoBackend,
     Backend,
     BackendUnavailableError,
     available_backends,
@@ -31,6 +32,7 @@ from dropless.swiglu import SwiGLU
 
 __all__ = [
     "BACKENDS",
+    "AutoBackend",
     "AbstractDispatcher",
     "AbstractExpertParallelDispatcher",
     "AbstractGroupedMatmul",

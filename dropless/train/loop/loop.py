@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from dropless import sharding
-from dropless.backends import Backend
+from dropless.backends import AutoBackend, Backend
 from dropless.data.datasets import AbstractDataset
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.train.config import TrainConfig
@@ -193,15 +193,16 @@ def train(
     model_config: DeepSeekV3Config,
     train_config: TrainConfig,
     *,
-    backend: str | Backend = "auto",
+    backend: str | Backend | AutoBackend = AutoBackend(),  # noqa: B008 (immutable)
     out_dir: str,
     callbacks: Sequence[Callback] = (),
     mesh: str | None = None,
 ) -> TrainResults:
     """Trains a DeepSeek-V3 model of `model_config` and writes its results into `out_dir`.
 
-    `backend`: an MoE backend name (see `dropless.backends.BACKENDS`, or "auto"), or a
-    `Backend` value (config.yaml then records "custom"); resolved once, here.
+    `backend`: `AutoBackend()` (the best this machine runs; config.yaml records "auto"), an MoE
+    backend name (see `dropless.backends.BACKENDS`), or a `Backend` value (config.yaml then
+    records "custom"); resolved once, here.
     `train_config.resume`: continue from the latest checkpoint in `out_dir/checkpoints` (the
     model configuration must match, except its compute dtype, remat, attention implementation
     and layer unrolling; the training settings may change); the batches, and on CPU the losses,

@@ -15,7 +15,7 @@ import numpy as np
 import yaml
 from jax.sharding import Mesh
 
-from dropless.backends import Backend, get_backend, resolve_backend_name
+from dropless.backends import AutoBackend, Backend, get_backend, resolve_backend_name
 from dropless.data.datasets import AbstractDataset, Batch
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
 from dropless.train.config import TrainConfig
@@ -238,7 +238,7 @@ def start(
     model_config: DeepSeekV3Config,
     train_config: TrainConfig,
     *,
-    backend: str | Backend,
+    backend: str | Backend | AutoBackend,
     out_dir: str,
     callbacks: Sequence[Callback],
 ) -> Run:
@@ -249,7 +249,8 @@ def start(
     distributed.initialize_from_env()
     validate(model_config, train_config)
     moe_backend = get_backend(backend)  # one that cannot load fails before anything is written
-    name = backend if isinstance(backend, str) else CUSTOM_BACKEND
+    name = "auto" if isinstance(backend, AutoBackend) else backend
+    name = name if isinstance(name, str) else CUSTOM_BACKEND
     mesh = resolve_mesh(train_config.mesh, model_config, train_config)
     _check_backend_fits_mesh(name, moe_backend, mesh)
     data = open_data(train_config, model_config.vocab_size)
