@@ -14,8 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dropless import sharding
-from dropless.backends import ep as ep_module
-from dropless.backends import get_backend, with_backend
+from dropless.backends import ep_exchange, get_backend, with_backend
 from dropless.backends.ep import (
     AllToAllDispatcher,
     buffer_rows,
@@ -189,7 +188,7 @@ def emulated_ragged_all_to_all(
 
 @pytest.fixture
 def emulate_ragged(monkeypatch):
-    monkeypatch.setattr(ep_module, "_ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(ep_exchange, "_ragged_all_to_all", emulated_ragged_all_to_all)
 
 
 def test_ragged_exchange_matches_single_device(emulate_ragged):
