@@ -15,7 +15,8 @@ which). `register_backend` adds a name.
 
 One strategy per module: `sort` (SortDispatcher), `chunked` (ChunkedGroupedMatmul), `capacity`
 (CapacityGroupedMatmul), `ragged` (RaggedDot), `te`, `pallas` (on the kernels of `mosaic`),
-`ep`, `nccl_ep`; `oracle` holds the dense references the tests compare against.
+`ep` (on the buffers and exchanges of `ep_exchange`), `nccl_ep`; `oracle` holds the dense
+references the tests compare against.
 """
 
 from dropless.backends.backend import Backend, BackendUnavailableError
