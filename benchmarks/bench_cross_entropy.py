@@ -24,7 +24,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from dropless.train.cross_entropy import (
+from dropless.train.step.cross_entropy import (
     _backward,
     _logsumexp_one_pass,
     _logsumexp_two_passes,

@@ -21,7 +21,8 @@ import tempfile
 import jax
 
 from dropless.models.deepseek_v3 import get_preset
-from dropless.train import TrainConfig, offload, train
+from dropless.train import TrainConfig, train
+from dropless.train.loop import offload
 
 GIB = 2**30
 

@@ -154,7 +154,10 @@ def main(argv=None):
         r["best"] = str(r["best"])
     if args.tiles_out:
         args.tiles_out.write_text(json.dumps(entries, indent=1))
-        print(f"tiles file: {args.tiles_out} (use with {pallas.TILES_ENV}={args.tiles_out})")
+        print(
+            f"tiles file: {args.tiles_out} (use with "
+            f"PallasGroupedMatmul(tiles=TileTable.from_file({str(args.tiles_out)!r})))"
+        )
     meta = {"machine": machine(), **{k: str(v) for k, v in vars(args).items()}}
     write_results(args.out, "tune_pallas", rows, meta)
 

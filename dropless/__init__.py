@@ -8,6 +8,7 @@ are swapped with `with_backend(model, backend)`, a `Backend` or a registry name.
 
 from dropless.backends import (
     BACKENDS,
+    AutoBackend,
     Backend,
     BackendUnavailableError,
     available_backends,
@@ -23,7 +24,7 @@ from dropless.balance import (
     tokens_per_expert,
     update_expert_bias,
 )
-from dropless.dispatch import AbstractDispatcher, Dispatched
+from dropless.dispatch import AbstractDispatcher, AbstractExpertParallelDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul, GroupedExperts
 from dropless.moe import MoE, MoEStats, routing_stats
 from dropless.routing import AbstractTopK, JnpTopK, Routing, RoutingSpec, TopKRouter
@@ -31,7 +32,9 @@ from dropless.swiglu import SwiGLU
 
 __all__ = [
     "BACKENDS",
+    "AutoBackend",
     "AbstractDispatcher",
+    "AbstractExpertParallelDispatcher",
     "AbstractGroupedMatmul",
     "AbstractTopK",
     "Backend",

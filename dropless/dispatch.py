@@ -6,7 +6,7 @@ by `group_sizes`), `combine` brings the expert outputs back and takes the weight
 """
 
 import abc
-from typing import Any, ClassVar
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -33,8 +33,9 @@ class Dispatched(eqx.Module):
 class AbstractDispatcher(eqx.Module):
     """Dispatch + combine. Backends fill in `_dispatch` and `_combine`."""
 
-    supports_expert_parallel: ClassVar[bool] = False
-    requires_gpu: ClassVar[bool] = False
+    requires_gpu: eqx.AbstractClassVar[bool]
+    """Whether the strategy runs only on a GPU (`available_backends()` and the tests skip it
+    elsewhere); every concrete strategy says."""
 
     def dispatch(self, x: Float[Array, "tokens dim"], routing: Routing) -> Dispatched:
         if routing.expert_ids.shape[0] != x.shape[0]:
@@ -101,3 +102,12 @@ def require_row_weights(dispatcher: AbstractDispatcher) -> AbstractRowWeightsDis
             "(an AbstractRowWeightsDispatcher, such as SortDispatcher)"
         )
     return dispatcher
+
+
+class AbstractExpertParallelDispatcher(AbstractDispatcher):
+    """A dispatcher that exchanges token copies between the devices of the mesh axis
+    `axis_name`, each holding its slice of the experts: it runs inside a `jax.shard_map` over
+    that axis (a sharded train step, `ShardedMoE`), where `group_sizes` has one entry per local
+    expert."""
+
+    axis_name: eqx.AbstractVar[str]

@@ -5,7 +5,6 @@ Transformer Engine's grouped GEMM or a Pallas kernel while the weights stay wher
 """
 
 import abc
-from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -19,7 +18,9 @@ class AbstractGroupedMatmul(eqx.Module):
     """out[r] = lhs[r] @ rhs[e] for every row r in group e; rows past sum(group_sizes) are
     padding and come out as zeros (or anything finite: callers ignore them)."""
 
-    requires_gpu: ClassVar[bool] = False
+    requires_gpu: eqx.AbstractClassVar[bool]
+    """Whether the strategy runs only on a GPU (`available_backends()` and the tests skip it
+    elsewhere); every concrete strategy says."""
 
     def __call__(
         self,

@@ -54,10 +54,10 @@ def cast_for_compute(x: Float[Array, "..."], dtype) -> Float[Array, "..."]:
     layer weights, the per-layer gradients are then concatenated in `dtype` (bf16: half the
     bytes of float32) into one plain buffer, and the cast back fuses into the optimiser's
     readers (the global norm, AdamW); without the barrier XLA fuses the concatenation itself
-    into each of those readers, a slow kernel on a GPU (proxy-2b on an H200: 0.177 -> 0.155 s
-    a step, benchmarks/results/train_step_h200_history.json). The values are a plain cast's:
-    a bf16 gradient cast to float32 is exact. With `dtype` equal to x's it is the identity
-    with the barrier on the gradient."""
+    into each of those readers, a slow kernel on a GPU (proxy-2b on an H200: 0.155 s a step
+    with the barrier, 0.177 s without, benchmarks/results/train_step_h200_history.json). The
+    values are a plain cast's: a bf16 gradient cast to float32 is exact. With `dtype` equal to
+    x's it is the identity with the barrier on the gradient."""
     return _cast_for_compute(x, jnp.dtype(dtype), x.dtype)
 
 

@@ -100,7 +100,9 @@ class Routing(eqx.Module):
 class AbstractTopK(eqx.Module):
     """Turns router logits into a `Routing`: score function, group limit, bias, top-k, weights."""
 
-    requires_gpu: ClassVar[bool] = False
+    requires_gpu: eqx.AbstractClassVar[bool]
+    """Whether the strategy runs only on a GPU (`available_backends()` and the tests skip it
+    elsewhere); every concrete strategy says."""
 
     def __call__(
         self,
@@ -175,6 +177,8 @@ def _top_k(values: Float[Array, "*batch n"], k: int) -> Int[Array, "*batch k"]:
 
 class JnpTopK(AbstractTopK):
     """Reference top-k in plain jnp; also the default everywhere."""
+
+    requires_gpu: ClassVar[bool] = False
 
     def _impl(self, logits, bias, spec):
         scores = score(logits, spec.scoring_func)

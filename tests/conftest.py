@@ -1,5 +1,6 @@
 """Test-wide settings: 8 emulated CPU devices (for expert parallelism), hypothesis profiles,
-the `gpu` marker, the one list of backends under test, and fixtures that read programs."""
+the `gpu` marker, the one list of backends under test, the one short TrainConfig of the tests'
+runs, and fixtures that read programs."""
 
 import os
 
@@ -45,9 +46,8 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("DROPLESS_HYPOTHESIS_PROFILE", "ci"))
 
-# No persistent compilation cache: with jax 0.10.2 on the CPU, test workers segfaulted inside
-# XLA while reading an executable from it (two clean-clone CI runs, 2026-12-05) and while
-# serialising one into it (`put_executable_and_time`, a local run the same day).
+# No persistent compilation cache: with jax 0.10.2 on the CPU, test workers segfault inside
+# XLA reading an executable from it and serialising one into it (`put_executable_and_time`).
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -55,8 +55,7 @@ def _release_compiled_programs():
     """Drop JAX's compiled programs after each test module. On the CPU each one holds memory
     mappings of its machine code, and a test worker that keeps them all passes the kernel's
     65,530 mappings per process (`vm.max_map_count`) before the suite ends: XLA then aborts
-    inside a compilation (two clean-clone CI runs, 2026-12-05, in different tests; one worker
-    held 27,000 mappings after 3.5 minutes of tests)."""
+    inside a compilation (a worker holds about 27,000 mappings after 3.5 minutes of tests)."""
     yield
     jax.clear_caches()
     gc.collect()
@@ -107,6 +106,28 @@ def backends_under_test() -> list[str]:
 def pytest_generate_tests(metafunc):
     if "backend_name" in metafunc.fixturenames:
         metafunc.parametrize("backend_name", backends_under_test())
+
+
+# The tests' short run: 3 steps of 8 sequences x 32 tokens, one warm-up step, no evaluation,
+# checkpoints or plots.
+SHORT_RUN = dict(
+    steps=3,
+    batch_size=8,
+    seq_len=32,
+    warmup_steps=1,
+    eval_every=0,
+    eval_batches=1,
+    checkpoint_every=0,
+    plots=False,
+)
+
+
+@pytest.fixture(scope="session")
+def train_config():
+    """**changes -> the tests' short `TrainConfig` (`SHORT_RUN`) with `changes` applied."""
+    from dropless.train import TrainConfig
+
+    return lambda **changes: TrainConfig(**{**SHORT_RUN, **changes})
 
 
 def _dot_generals(jaxpr) -> list:

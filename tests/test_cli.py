@@ -19,8 +19,8 @@ import dropless
 from dropless import cli
 from dropless.cli.parsing import defaults
 from dropless.models.deepseek_v3 import PRESETS, DeepSeekV3Config, get_preset
-from dropless.train.checkpoint import Checkpointer
 from dropless.train.config import TrainConfig
+from dropless.train.store.checkpoint import Checkpointer
 
 SMALL_RUN = [
     "--steps", "6", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "2",
@@ -291,6 +291,20 @@ def test_unknown_backend_lists_the_choices(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "nope" in err and "'jnp'" in err and "'auto'" in err
+
+
+def test_a_registered_backend_reaches_the_command_line(monkeypatch, capsys):
+    factory = lambda: dropless.Backend(gmm=dropless.backends.RaggedDot())  # noqa: E731
+    monkeypatch.setitem(dropless.BACKENDS, "mine", factory)
+    assert cli.parse(["train", "--backend", "mine"]).backend == "mine"
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help-all"])
+    choices = capsys.readouterr().out.split("--backend {", 1)[1].split("}", 1)[0]
+    assert "mine" in choices.replace(" ", "").replace("\n", "").split(",")
+    monkeypatch.delitem(dropless.BACKENDS, "mine")
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse(["train", "--backend", "mine"])
+    assert exit_.value.code == 2
 
 
 @pytest.mark.parametrize("backend", ["te", "pallas"])

@@ -7,8 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dropless.backends.ep import AllToAllDispatcher
 from dropless.backends.oracle import expert_of_row
 from dropless.backends.sort import SortDispatcher, permute_rows
+from dropless.dispatch import AbstractDispatcher, AbstractExpertParallelDispatcher
 from dropless.routing import JnpTopK, RoutingSpec
 
 SHAPES = [(16, 8, 2), (33, 4, 4), (64, 16, 3)]  # tokens, experts, k
@@ -113,3 +115,25 @@ def test_mismatched_tokens_and_rows_are_named(unchecked):
     rows = dispatched.rows.shape[0]
     with pytest.raises(ValueError, match=f"combine got {rows - 1} rows, dispatch made {rows}"):
         unchecked(SortDispatcher.combine)(disp, jnp.zeros((rows - 1, 8)), dispatched, routing)
+
+
+def test_a_strategy_says_whether_it_needs_a_gpu_and_an_exchange_names_its_axis():
+    class Unsaid(AbstractDispatcher):
+        def _dispatch(self, x, routing):
+            return SortDispatcher()._dispatch(x, routing)
+
+        def _combine(self, y_rows, dispatched, routing):
+            return SortDispatcher()._combine(y_rows, dispatched, routing)
+
+    with pytest.raises(TypeError, match="requires_gpu"):
+        Unsaid()
+
+    class NoAxis(AbstractExpertParallelDispatcher):
+        requires_gpu = False
+        _dispatch = Unsaid._dispatch
+        _combine = Unsaid._combine
+
+    with pytest.raises(TypeError, match="axis_name"):
+        NoAxis()
+    assert isinstance(AllToAllDispatcher(), AbstractExpertParallelDispatcher)
+    assert not isinstance(SortDispatcher(), AbstractExpertParallelDispatcher)

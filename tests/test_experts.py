@@ -14,6 +14,8 @@ FP32 = dict(rtol=2e-5, atol=2e-5)
 class RecordingMatmul(AbstractGroupedMatmul):
     """`ChunkedGroupedMatmul` that records the weight shape of every call (at trace time)."""
 
+    requires_gpu = False
+
     inner: ChunkedGroupedMatmul
 
     def _impl(self, lhs, rhs, group_sizes):

@@ -127,6 +127,8 @@ KEY = jax.random.key(0)
 class _NoRowWeights(AbstractDispatcher):
     """`SortDispatcher`'s dispatch and combine, without row weights."""
 
+    requires_gpu = False
+
     def _dispatch(self, x, routing):
         return SortDispatcher().dispatch(x, routing)
 

@@ -19,6 +19,8 @@ class ArgsortPlan(eqx.Module):
 class ArgsortDispatcher(dropless.AbstractDispatcher):
     """Copies sorted by expert id; plain autodiff (its gradient scatters, see docs/backends.md)."""
 
+    requires_gpu = False  # every strategy says whether it needs a GPU
+
     def _dispatch(self, x, routing):
         tokens, k = routing.expert_ids.shape
         ids = routing.expert_ids.reshape(-1)  # copy c = (token c // k, choice c % k)
@@ -36,6 +38,8 @@ class ArgsortDispatcher(dropless.AbstractDispatcher):
 
 class MaskedGroupedMatmul(dropless.AbstractGroupedMatmul):
     """Every row times every expert's matrix, keeping its own: O(experts) work, obviously right."""
+
+    requires_gpu = False
 
     def _impl(self, lhs, rhs, group_sizes):
         rows = jnp.arange(lhs.shape[0])

@@ -10,11 +10,13 @@ expert + chunked overflow: one big batched matmul, for accelerators), "ragged" (
 grouped GEMM kernels, Hopper), "ep" (XLA expert parallelism), "nccl_ep" (expert parallelism
 through TE's NCCL EP, several Hopper GPUs), and "auto" (on a Hopper GPU "pallas", with
 jnp-capacity for expert widths its kernels cannot tile; on other GPUs "te-gmm" where TE
-imports, else "jnp-capacity"; "jnp" elsewhere). `register_backend` adds a name.
+imports, else "jnp-capacity"; "jnp" elsewhere: the value `AutoBackend()`, whose `select` says
+which). `register_backend` adds a name.
 
 One strategy per module: `sort` (SortDispatcher), `chunked` (ChunkedGroupedMatmul), `capacity`
 (CapacityGroupedMatmul), `ragged` (RaggedDot), `te`, `pallas` (on the kernels of `mosaic`),
-`ep`, `nccl_ep`; `oracle` holds the dense references the tests compare against.
+`ep` (on the buffers and exchanges of `ep_exchange`), `nccl_ep`; `oracle` holds the dense
+references the tests compare against.
 """
 
 from dropless.backends.backend import Backend, BackendUnavailableError
@@ -23,6 +25,7 @@ from dropless.backends.chunked import ChunkedGroupedMatmul
 from dropless.backends.ragged import RaggedDot
 from dropless.backends.registry import (
     BACKENDS,
+    AutoBackend,
     available_backends,
     get_backend,
     register_backend,
@@ -33,6 +36,7 @@ from dropless.backends.sort import SortDispatcher
 
 __all__ = [
     "BACKENDS",
+    "AutoBackend",
     "Backend",
     "BackendUnavailableError",
     "CapacityGroupedMatmul",

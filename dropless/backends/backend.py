@@ -4,7 +4,7 @@ decide which bundles load."""
 import equinox as eqx
 import jax
 
-from dropless.dispatch import AbstractDispatcher
+from dropless.dispatch import AbstractDispatcher, AbstractExpertParallelDispatcher
 from dropless.experts import AbstractGroupedMatmul
 from dropless.routing import AbstractTopK
 
@@ -42,7 +42,7 @@ class Backend(eqx.Module):
     def expert_parallel(self) -> bool:
         """Whether its dispatcher exchanges tokens over an expert axis of a device mesh (so it
         runs only inside a sharded step that has one)."""
-        return self.dispatcher is not None and type(self.dispatcher).supports_expert_parallel
+        return isinstance(self.dispatcher, AbstractExpertParallelDispatcher)
 
 
 class BackendUnavailableError(ImportError):

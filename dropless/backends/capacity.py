@@ -6,6 +6,7 @@ accelerators one large matmul when routing is near balance.
 """
 
 import functools
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -133,6 +134,8 @@ class CapacityGroupedMatmul(AbstractGroupedMatmul):
     Costs `capacity_factor` times the routed FLOPs in the batched part; the overflow loop runs
     only when a group exceeds its capacity.
     """
+
+    requires_gpu: ClassVar[bool] = False
 
     capacity_factor: float = eqx.field(default=1.25, static=True)
     # None: a power of two near the mean group size (`default_chunk(..., per_group=1)`). Rows

@@ -8,6 +8,7 @@ matmul instead. The chunk loops here also serve `CapacityGroupedMatmul`'s overfl
 
 import functools
 import math
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -271,6 +272,8 @@ class ChunkedGroupedMatmul(AbstractGroupedMatmul):
 
     `chunk=None` picks a size from the static shapes (`default_chunk`).
     """
+
+    requires_gpu: ClassVar[bool] = False
 
     chunk: int | None = eqx.field(default=None, static=True)
 

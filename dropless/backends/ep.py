@@ -19,26 +19,37 @@ Buffers are static and derived from shapes: by default the worst case (every cop
 lands on one device), so no token can ever be dropped. `recv_factor` shrinks them to a multiple of
 the balanced load; copies that do not fit are counted in `Dispatched.dropped` (hence in
 `MoEStats.dropped`) and the `overflow` policy either raises at run time ("raise", the default)
-or drops them and reports the count ("drop"). Nothing is dropped silently.
+or drops them and reports the count ("drop"). Nothing is dropped silently. The buffer sizes and
+the exchanges themselves are in `dropless.backends.ep_exchange`.
 """
 
-import functools
-import math
 from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
 from dropless.backends.backend import Backend
 from dropless.backends.chunked import ChunkedGroupedMatmul
+from dropless.backends.ep_exchange import (
+    Exchange,
+    RaggedOffsets,
+    axis_size,
+    buffer_rows,
+    check_ep_settings,
+    exclusive_cumsum,
+    pair_bound,
+    ragged_bound,
+    ragged_exchange,
+    resolve_exchange,
+    take_rows,
+)
 from dropless.backends.sort import permute_rows
 from dropless.balance import expert_counts
-from dropless.dispatch import AbstractDispatcher, Dispatched
+from dropless.dispatch import AbstractExpertParallelDispatcher, Dispatched
 from dropless.routing import JnpTopK
 
-Exchange = Literal["auto", "all_to_all", "ragged"]
 Overflow = Literal["raise", "drop"]
 
 OVERFLOW_MESSAGE = (
@@ -47,139 +58,6 @@ OVERFLOW_MESSAGE = (
     "worst case: never drops), or set overflow='drop' to drop them and count them in "
     "MoEStats.dropped."
 )
-
-
-def resolve_exchange(exchange: Exchange, platform: str | None = None) -> str:
-    """'auto' -> 'ragged' on GPU/TPU, 'all_to_all' elsewhere (XLA:CPU cannot compile
-    `ragged_all_to_all`)."""
-    if exchange != "auto":
-        return exchange
-    platform = platform or jax.default_backend()
-    return "ragged" if platform in ("gpu", "cuda", "rocm", "tpu") else "all_to_all"
-
-
-def buffer_rows(
-    copies: int, ep: int, recv_factor: float | None, exchange: Literal["all_to_all", "ragged"]
-) -> int:
-    """Static receive rows on one device, for `copies = tokens * k` local copies per device.
-
-    - "all_to_all": `ep` blocks of `bound` rows, one per source; `bound = copies` (worst case:
-      every copy of that source comes here) or `ceil(recv_factor * copies / ep)`, capped there.
-    - "ragged": one buffer of `ep * copies` rows (worst case) or `ceil(recv_factor * copies)`,
-      capped there.
-
-    `recv_factor` is a multiple of the balanced load (`copies` rows per device); values >= `ep`
-    are the worst case.
-    """
-    if exchange == "all_to_all":
-        return ep * pair_bound(copies, ep, recv_factor)
-    return ragged_bound(copies, ep, recv_factor)
-
-
-def pair_bound(copies: int, ep: int, recv_factor: float | None) -> int:
-    """Rows one source may send one destination in the padded all-to-all."""
-    if recv_factor is None:
-        return max(copies, 1)
-    return max(1, min(copies, math.ceil(recv_factor * copies / ep)))
-
-
-def ragged_bound(copies: int, ep: int, recv_factor: float | None) -> int:
-    """Rows one device may receive in all, with the ragged all-to-all."""
-    if recv_factor is None:
-        return max(ep * copies, 1)
-    return max(1, min(ep * copies, math.ceil(recv_factor * copies)))
-
-
-# --- gathers through partial permutations, with gather-only gradients -------------------------
-
-
-@jax.custom_vjp
-def take_rows(
-    x: Float[Array, "n dim"], index: Int[Array, " m"], inverse: Int[Array, " n"]
-) -> Float[Array, "m dim"]:
-    """out[r] = x[index[r]], or 0 where index[r] is out of range (an empty slot).
-
-    `inverse` is the partial inverse (x row i went to out row inverse[i], or out of range if it
-    went nowhere), so the gradient is a gather too: no scatter-add, deterministic.
-    """
-    return x.at[index].get(mode="fill", fill_value=0)
-
-
-def _take_fwd(x, index, inverse):
-    return take_rows(x, index, inverse), (index, inverse)
-
-
-def _take_bwd(res, g):
-    index, inverse = res
-    return g.at[inverse].get(mode="fill", fill_value=0), None, None
-
-
-take_rows.defvjp(_take_fwd, _take_bwd)
-
-
-def _exclusive_cumsum(x: Array, axis: int = -1) -> Array:
-    return jnp.cumsum(x, axis=axis) - x
-
-
-# --- the ragged exchange, with the reverse exchange as its gradient ---------------------------
-
-
-def _ragged_all_to_all(
-    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
-):
-    # One indirection, so tests on CPU can stand an all_gather-based emulation in for it.
-    return jax.lax.ragged_all_to_all(
-        operand,
-        output,
-        input_offsets,
-        send_sizes,
-        output_offsets,
-        recv_sizes,
-        axis_name=axis_name,
-    )
-
-
-class RaggedOffsets(eqx.Module):
-    """The four offset/size vectors of one `ragged_all_to_all` call (one entry per device)."""
-
-    input_offsets: Int[Array, " ep"]
-    send_sizes: Int[Array, " ep"]
-    output_offsets: Int[Array, " ep"]
-    recv_sizes: Int[Array, " ep"]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def ragged_exchange(
-    x: Float[Array, "n dim"],
-    fwd: RaggedOffsets,
-    bwd: RaggedOffsets,
-    rows: int,
-    axis_name: str,
-) -> Float[Array, "rows dim"]:
-    """Ragged all-to-all of `x` into a zero buffer of `rows` rows; `bwd` describes the reverse
-    exchange, which is the gradient (rows that were not received get no gradient)."""
-    out = jnp.zeros((rows, *x.shape[1:]), x.dtype)
-    return _ragged_all_to_all(
-        x,
-        out,
-        fwd.input_offsets,
-        fwd.send_sizes,
-        fwd.output_offsets,
-        fwd.recv_sizes,
-        axis_name=axis_name,
-    )
-
-
-def _exchange_fwd(x, fwd, bwd, rows, axis_name):
-    return ragged_exchange(x, fwd, bwd, rows, axis_name), (x.shape[0], fwd, bwd)
-
-
-def _exchange_bwd(rows, axis_name, res, g):
-    n, fwd, bwd = res
-    return ragged_exchange(g, bwd, fwd, n, axis_name), None, None
-
-
-ragged_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
 # --- the plan ---------------------------------------------------------------------------------
@@ -200,34 +78,7 @@ class AllToAllPlan(eqx.Module):
     back: RaggedOffsets | None = None
 
 
-def axis_size(axis_name: str) -> int:
-    try:
-        return jax.lax.axis_size(axis_name)
-    except NameError:
-        raise ValueError(
-            f"AllToAllDispatcher(axis_name={axis_name!r}) must run inside jax.shard_map over a "
-            f"mesh with a {axis_name!r} axis (the expert weights then hold the local experts); "
-            "wrap the layer with dropless.sharding.shard_moe, or the loss with "
-            "dropless.train.sharded.sharded_value_and_grad"
-        ) from None
-
-
-def check_ep_settings(axis_name, recv_factor) -> None:
-    """The settings an expert-parallel dispatcher shares: a mesh axis name, and a receive
-    buffer factor (None: the worst case)."""
-    if not isinstance(axis_name, str) or not axis_name:
-        raise ValueError(f"axis_name must be a non-empty mesh axis name, got {axis_name!r}")
-    f = recv_factor
-    if f is not None and (
-        isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0
-    ):
-        raise ValueError(
-            f"recv_factor must be None (worst-case buffer, never drops) or a finite number "
-            f"> 0 (a multiple of the balanced load), got {f!r}"
-        )
-
-
-class AllToAllDispatcher(AbstractDispatcher):
+class AllToAllDispatcher(AbstractExpertParallelDispatcher):
     """Expert-parallel dispatch over the mesh axis `axis_name` (run inside `jax.shard_map`).
 
     - `recv_factor`: None (default) sizes the receive buffer for the worst case, so nothing can
@@ -247,7 +98,7 @@ class AllToAllDispatcher(AbstractDispatcher):
     overflow: Overflow = eqx.field(default="raise", static=True)
     exchange: Exchange = eqx.field(default="auto", static=True)
 
-    supports_expert_parallel: ClassVar[bool] = True
+    requires_gpu: ClassVar[bool] = False
 
     def __check_init__(self):
         check_ep_settings(self.axis_name, self.recv_factor)
@@ -282,7 +133,7 @@ class AllToAllDispatcher(AbstractDispatcher):
         own = expert_counts(flat_ids, n_experts)
         counts = jax.lax.all_gather(own, self.axis_name).reshape(ep, ep, local)
         pair = counts.sum(-1)  # [source, destination]
-        send_start = _exclusive_cumsum(pair)  # where each destination block starts, per source
+        send_start = exclusive_cumsum(pair)  # where each destination block starts, per source
 
         # 3. the static bound, what fits, and where it lands
         mode = resolve_exchange(self.exchange)
@@ -293,10 +144,10 @@ class AllToAllDispatcher(AbstractDispatcher):
             n_rows = ep * bound
         else:
             n_rows = ragged_bound(n_copies, ep, self.recv_factor)
-            land = _exclusive_cumsum(pair, axis=0)  # source q's rows start here on destination d
+            land = exclusive_cumsum(pair, axis=0)  # source q's rows start here on destination d
             kept = jnp.clip(n_rows - land, 0, pair)
         # the first kept[q, d] copies of each (expert-sorted) block are kept
-        kept_e = jnp.clip(kept[..., None] - _exclusive_cumsum(counts), 0, counts)
+        kept_e = jnp.clip(kept[..., None] - exclusive_cumsum(counts), 0, counts)
         dropped_here = (pair[me] - kept[me]).sum()
         dropped_anywhere = (pair - kept).sum()
 
@@ -320,7 +171,7 @@ class AllToAllDispatcher(AbstractDispatcher):
         # 4. expert-contiguous layout of the received rows. Segment (q, l) = the rows of local
         # expert l from source q: it starts at land[q, me] + (rows of lower experts from q).
         got = kept_e[:, me, :]  # [source, local expert]
-        seg_start = (land[:, me, None] + _exclusive_cumsum(got)).reshape(-1)
+        seg_start = (land[:, me, None] + exclusive_cumsum(got)).reshape(-1)
         seg_size = got.reshape(-1)
         row = jnp.arange(n_rows, dtype=jnp.int32)
         seg = jnp.searchsorted(seg_start, row, side="right").astype(jnp.int32) - 1
@@ -328,8 +179,8 @@ class AllToAllDispatcher(AbstractDispatcher):
         valid = (seg >= 0) & (row < seg_start[seg_c] + seg_size[seg_c])
         q, lx = seg_c // local, seg_c % local
         group_sizes = got.sum(0)
-        group_start = _exclusive_cumsum(group_sizes)
-        before = _exclusive_cumsum(got, axis=0)  # rows of expert l from lower sources
+        group_start = exclusive_cumsum(group_sizes)
+        before = exclusive_cumsum(got, axis=0)  # rows of expert l from lower sources
         target = group_start[lx] + before[q, lx] + row - seg_start[seg_c]
         spare = group_sizes.sum() + jnp.cumsum(~valid) - 1  # padding goes to the tail, in order
         local_inverse = jnp.where(valid, target, spare).astype(jnp.int32)

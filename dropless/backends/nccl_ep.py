@@ -35,7 +35,7 @@ from jaxtyping import Array, Float
 from dropless.backends.backend import Backend, BackendUnavailableError
 from dropless.backends.chunked import ChunkedGroupedMatmul
 from dropless.backends.ep import OVERFLOW_MESSAGE, axis_size, check_ep_settings
-from dropless.dispatch import AbstractDispatcher, Dispatched
+from dropless.dispatch import AbstractExpertParallelDispatcher, Dispatched
 from dropless.routing import JnpTopK
 
 ALIGNMENT = 128  # NCCL EP's high-throughput kernels pad each local expert's rows to this
@@ -247,7 +247,7 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 # --- the dispatcher ----------------------------------------------------------------------------
 
 
-class NcclEPDispatcher(AbstractDispatcher):
+class NcclEPDispatcher(AbstractExpertParallelDispatcher):
     """Expert-parallel dispatch through NCCL EP, inside `jax.shard_map` over `axis_name`.
 
     Needs `bootstrap(mesh, ...)` first, with the same `recv_factor`, and bfloat16 tokens.
@@ -258,7 +258,6 @@ class NcclEPDispatcher(AbstractDispatcher):
     overflow: Literal["raise", "drop"] = eqx.field(default="raise", static=True)
     alignment: int = eqx.field(default=ALIGNMENT, static=True)
 
-    supports_expert_parallel: ClassVar[bool] = True
     requires_gpu: ClassVar[bool] = True
 
     def __check_init__(self):

@@ -4,6 +4,8 @@ Each optimised path has its "equivalent to" here, and tests hold the two togethe
 gradient.
 """
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -18,6 +20,8 @@ def expert_of_row(group_sizes: Int[Array, " experts"], rows: int) -> Int[Array, 
 
 class OneHotGroupedMatmul(AbstractGroupedMatmul):
     """Every row times every expert's matrix, masked to its own expert."""
+
+    requires_gpu: ClassVar[bool] = False
 
     def _impl(self, lhs, rhs, group_sizes):
         owner = jax.nn.one_hot(

@@ -4,14 +4,13 @@ Our warp-specialised kernels (`mosaic`) compute the forward, the input gradient 
 their tiles divide the widths, the weight gradient; elsewhere the weight gradient is JAX's
 `transposed_ragged_dot_mgpu.transposed_ragged_dot`. A custom VJP ties them together. JAX's
 kernels take tile sizes from a table per operation and shape (`TUNED`, empty as shipped, and the
-JSON file named by `$DROPLESS_PALLAS_TILES` that `tune_pallas.py --tiles-out` writes), with a
-default that is valid whenever widths are multiples of 128.
+strategy's own `tiles`, e.g. `TileTable.from_file` of what `tune_pallas.py --tiles-out` writes),
+with a default that is valid whenever widths are multiples of 128.
 """
 
 import dataclasses
 import functools
 import json
-import os
 import pathlib
 from typing import ClassVar, Literal
 
@@ -45,26 +44,39 @@ Op = Literal["fwd", "dgrad", "wgrad"]
 
 # Chosen on one GPU by tune_pallas.py, keyed by the operation and the forward's (in width, out
 # width): "fwd" is x @ w, "dgrad" g @ w.T, "wgrad" x.T @ g per group. Shapes not listed get the
-# default BlockConfig. A JSON file of the same entries (tune_pallas.py --tiles-out), named by
-# $DROPLESS_PALLAS_TILES, adds to or overrides it. Empty on purpose: the 12 tilings found on an
-# H200 were searched on balanced groups only, and on uneven groups 8 of the 24 exactness tests
-# (test_pallas_tiles_are_exact) then failed; the search now rejects inexact tilings.
+# default BlockConfig. A strategy's `tiles` (`PallasGroupedMatmul(tiles=...)`) add to or override
+# it. Empty: tilings searched on balanced groups
+# alone are not exact on uneven ones (test_pallas_tiles_are_exact checks every entry), and
+# tune_pallas.py keeps only the exact ones.
 TUNED: dict[tuple[Op, int, int], BlockConfig] = {}
-TILES_ENV = "DROPLESS_PALLAS_TILES"
 
 
-@functools.cache
-def tiles_from_file(path: str) -> dict[tuple[Op, int, int], BlockConfig]:
-    """Entries of a tiles file: a JSON list of {"op", "in", "out", <BlockConfig fields>}."""
-    entries = json.loads(pathlib.Path(path).read_text())
-    return {(e.pop("op"), e.pop("in"), e.pop("out")): BlockConfig(**e) for e in map(dict, entries)}
+@dataclasses.dataclass(frozen=True)
+class TileTable:
+    """Tiles per (operation, forward in width, forward out width), adding to or overriding
+    `TUNED`: a static, hashable value, so a strategy holds it as a field."""
+
+    entries: tuple[tuple[tuple[Op, int, int], BlockConfig], ...] = ()
+
+    @classmethod
+    def from_file(cls, path: "str | pathlib.Path") -> "TileTable":
+        """The entries of a tiles file (what `tune_pallas.py --tiles-out` writes): a JSON list
+        of {"op", "in", "out", <BlockConfig fields>}."""
+        entries = json.loads(pathlib.Path(path).read_text())
+        return cls(
+            tuple(
+                ((e.pop("op"), e.pop("in"), e.pop("out")), BlockConfig(**e))
+                for e in map(dict, entries)
+            )
+        )
 
 
-def block_config(op: Op, in_width: int, out_width: int) -> BlockConfig:
-    """The tuned tiles for `op` of an [in_width -> out_width] grouped matmul, checked to divide."""
-    table = TUNED
-    if os.environ.get(TILES_ENV):
-        table = {**TUNED, **tiles_from_file(os.environ[TILES_ENV])}
+def block_config(
+    op: Op, in_width: int, out_width: int, tiles: TileTable = TileTable()
+) -> BlockConfig:
+    """The tuned tiles for `op` of an [in_width -> out_width] grouped matmul (`tiles`, then
+    `TUNED`), checked to divide."""
+    table = {**TUNED, **dict(tiles.entries)}
     cfg = table.get((op, in_width, out_width), BlockConfig())
     check_divides(op, cfg, in_width, out_width)
     return cfg
@@ -127,35 +139,38 @@ def reference_op(op: Op, a, b, group_sizes):
     return jnp.take_along_axis(every, owner[:, None, None], axis=1)[:, 0]
 
 
-@jax.custom_vjp
-def pallas_grouped_matmul(lhs, rhs, group_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def pallas_grouped_matmul(lhs, rhs, group_sizes, tiles=TileTable()):
+    """`mosaic.grouped_matmul` with an exact VJP; `tiles` serve JAX's weight-gradient kernel
+    where ours cannot tile the widths."""
     return mosaic.grouped_matmul(lhs, rhs, group_sizes)
 
 
-def _fwd(lhs, rhs, group_sizes):
-    return pallas_grouped_matmul(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+def _fwd(lhs, rhs, group_sizes, tiles):
+    return pallas_grouped_matmul(lhs, rhs, group_sizes, tiles), (lhs, rhs, group_sizes)
 
 
-def _bwd(res, g):
+def _bwd(tiles, res, g):
     lhs, rhs, group_sizes = res
     g = g.astype(lhs.dtype)
     dlhs = mosaic.grouped_matmul(g, rhs, group_sizes, transpose_rhs=True)
-    return dlhs, _weight_grad(lhs, g, group_sizes).astype(rhs.dtype), None
+    return dlhs, _weight_grad(lhs, g, group_sizes, tiles).astype(rhs.dtype), None
 
 
 pallas_grouped_matmul.defvjp(_fwd, _bwd)
 
 
-def _weight_grad(lhs, g, group_sizes):
+def _weight_grad(lhs, g, group_sizes, tiles: TileTable):
     """Our weight-gradient kernel where its tiles divide the widths, JAX's elsewhere."""
     in_width, out_width = lhs.shape[1], g.shape[1]
     if mosaic.weight_grad_fits(in_width, out_width):
         return mosaic.grouped_weight_grad(lhs, g, group_sizes)
-    return run_op("wgrad", lhs, g, group_sizes, block_config("wgrad", in_width, out_width))
+    cfg = block_config("wgrad", in_width, out_width, tiles)
+    return run_op("wgrad", lhs, g, group_sizes, cfg)
 
 
-@jax.custom_vjp
-def pallas_gate_up_swiglu(rows, w_interleaved, group_sizes, row_scale=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def pallas_gate_up_swiglu(rows, w_interleaved, group_sizes, row_scale=None, tiles=TileTable()):
     """SwiGLU of the gate-and-up grouped matmul in one kernel (`mosaic.grouped_matmul_swiglu`;
     the weights interleaved by `mosaic.interleave_gate_up`), times `row_scale` per row in the
     same epilogue if given, with an exact VJP: the SwiGLU's gradient (and the scale's) from the
@@ -164,21 +179,21 @@ def pallas_gate_up_swiglu(rows, w_interleaved, group_sizes, row_scale=None):
     return hidden
 
 
-def _swiglu_fwd(rows, w_interleaved, group_sizes, row_scale):
+def _swiglu_fwd(rows, w_interleaved, group_sizes, row_scale, tiles):
     gate_up, hidden = mosaic.grouped_matmul_swiglu(
         rows, w_interleaved, group_sizes, row_scale=row_scale
     )
     return hidden, (rows, w_interleaved, group_sizes, gate_up, row_scale)
 
 
-def _swiglu_bwd(res, d_hidden):
+def _swiglu_bwd(tiles, res, d_hidden):
     rows, w, group_sizes, gate_up, row_scale = res
     d_gate_up, d_scale = mosaic.swiglu_grad_interleaved(gate_up, d_hidden, row_scale=row_scale)
     d_gate_up = d_gate_up.astype(rows.dtype)
     if d_scale is not None:
         d_scale = d_scale.astype(row_scale.dtype)
     d_rows = mosaic.grouped_matmul(d_gate_up, w, group_sizes, transpose_rhs=True)
-    d_w = _weight_grad(rows, d_gate_up, group_sizes).astype(w.dtype)
+    d_w = _weight_grad(rows, d_gate_up, group_sizes, tiles).astype(w.dtype)
     return d_rows, d_w, None, d_scale
 
 
@@ -189,13 +204,16 @@ class PallasGroupedMatmul(AbstractFusedSwiGLUMatmul):
     """Grouped GEMM on Mosaic GPU kernels (Hopper, bf16/fp16), with an exact custom VJP.
     `fallback`: the strategy for expert widths the kernels cannot tile (not multiples of 128);
     without one, such widths raise. `fused_swiglu`: the experts' gate-and-up matmul computes its
-    SwiGLU in the kernel's epilogue (`pallas_gate_up_swiglu`); opt-in, since it made the
-    proxy-2b step 3% slower on an H200 (benchmarks/results/train_step_h200.json)."""
+    SwiGLU in the kernel's epilogue (`pallas_gate_up_swiglu`); opt-in, since the proxy-2b step
+    is 3% slower with it on an H200 (benchmarks/results/train_step_h200.json). `tiles`: tile
+    sizes for JAX's weight-gradient kernel, which runs where ours cannot tile the widths
+    (`TileTable.from_file(path)` reads what `tune_pallas.py --tiles-out` writes)."""
 
     requires_gpu: ClassVar[bool] = True
     compute_dtype: str = eqx.field(default="bfloat16", static=True)
     fallback: AbstractGroupedMatmul | None = None
     fused_swiglu: bool = eqx.field(default=False, static=True)
+    tiles: TileTable = eqx.field(default=TileTable(), static=True)
 
     def __check_init__(self):
         if self.compute_dtype not in ("bfloat16", "float16"):
@@ -216,7 +234,8 @@ class PallasGroupedMatmul(AbstractFusedSwiGLUMatmul):
                 "sends such layers to another strategy"
             )
         dt = jnp.dtype(self.compute_dtype)
-        out = pallas_grouped_matmul(lhs.astype(dt), rhs.astype(dt), group_sizes.astype(jnp.int32))
+        sizes = group_sizes.astype(jnp.int32)
+        out = pallas_grouped_matmul(lhs.astype(dt), rhs.astype(dt), sizes, self.tiles)
         return out.astype(lhs.dtype)
 
     def gate_up_swiglu(self, rows, w_gate, w_up, group_sizes, row_scale=None):
@@ -229,7 +248,7 @@ class PallasGroupedMatmul(AbstractFusedSwiGLUMatmul):
         dt = jnp.dtype(self.compute_dtype)
         w = mosaic.interleave_gate_up(w_gate, w_up, config).astype(dt)
         hidden_rows = pallas_gate_up_swiglu(
-            rows.astype(dt), w, group_sizes.astype(jnp.int32), row_scale
+            rows.astype(dt), w, group_sizes.astype(jnp.int32), row_scale, self.tiles
         )
         return hidden_rows.astype(rows.dtype)
 

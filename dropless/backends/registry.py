@@ -1,10 +1,12 @@
-"""Backends by name: the registry, what "auto" stands for on this machine, and `with_backend`."""
+"""Backends by name: the registry, `AutoBackend` (what "auto" stands for on this machine), and
+`with_backend`."""
 
 import functools
 import importlib
 import warnings
 from collections.abc import Callable
 
+import equinox as eqx
 import jax
 
 from dropless.backends.backend import Backend, BackendUnavailableError, has_gpu, is_hopper
@@ -107,19 +109,36 @@ def _auto_choice() -> tuple[str, Backend]:
     return "jnp", _jnp()
 
 
-def resolve_backend_name(backend: str) -> str:
+class AutoBackend(eqx.Module):
+    """The best backend this machine runs, as a value (the name "auto" stands for it): on a
+    Hopper GPU "pallas" (jnp-capacity for expert widths its kernels cannot tile), on other
+    GPUs "te-gmm" where TE imports, else "jnp-capacity"; "jnp" elsewhere.
+
+        model = with_backend(model, AutoBackend())
+        name, bundle = AutoBackend().select()     # what it picked here: ("jnp", Backend(...))
+    """
+
+    def select(self) -> tuple[str, Backend]:
+        """(the registry name of the pick, its Backend), chosen once per process (the machine
+        does not change); a warning names each faster choice passed over, and why."""
+        return _auto_choice()
+
+
+def resolve_backend_name(backend: "str | AutoBackend") -> str:
     """The registry name that `backend` runs as here: itself, or the one "auto" picks."""
-    return _auto_choice()[0] if backend == "auto" else backend
+    if isinstance(backend, AutoBackend) or backend == "auto":
+        return AutoBackend().select()[0]
+    return backend
 
 
-def get_backend(backend: "str | Backend") -> Backend:
-    """A Backend from a registry name, "auto" (the best this machine runs), or the Backend
-    itself. A name whose dependencies are missing raises `BackendUnavailableError` saying
-    what to install."""
+def get_backend(backend: "str | Backend | AutoBackend") -> Backend:
+    """A Backend from a registry name, "auto" or `AutoBackend()` (the best this machine runs),
+    or the Backend itself. A name whose dependencies are missing raises
+    `BackendUnavailableError` saying what to install."""
     if isinstance(backend, Backend):
         return backend
-    if backend == "auto":
-        return _auto_choice()[1]
+    if isinstance(backend, AutoBackend) or backend == "auto":
+        return AutoBackend().select()[1]
     if backend not in BACKENDS:
         known = ", ".join(sorted([*BACKENDS, "auto"]))
         raise ValueError(f"unknown backend {backend!r}; known backends: {known}")
@@ -150,11 +169,12 @@ def available_backends() -> list[str]:
 _STRATEGIES = (AbstractDispatcher, AbstractGroupedMatmul, AbstractTopK)
 
 
-def with_backend(model, backend: "str | Backend"):
+def with_backend(model, backend: "str | Backend | AutoBackend"):
     """The same model (same arrays) with its MoE stages' strategies replaced by `backend`'s.
 
-    `backend`: a registry name (`BACKENDS`: "jnp", "jnp-capacity", "pallas", "te", ...), "auto"
-    (the best this machine runs, `resolve_backend_name` says which), or a `Backend` of your own
+    `backend`: a registry name (`BACKENDS`: "jnp", "jnp-capacity", "pallas", "te", ...),
+    `AutoBackend()` or "auto" (the best this machine runs; `select` says which), or a `Backend`
+    of your own
     strategies, where a stage left as None keeps what the model has. `model` is any pytree
     holding MoE layers (a `MoE`, a `DeepSeekV3`, a list of them): every dispatcher, grouped
     matmul and router top-k in it is swapped; nothing else changes, so outputs agree across

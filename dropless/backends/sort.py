@@ -6,6 +6,7 @@ deterministic.
 """
 
 import functools
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -210,6 +211,8 @@ class SortPlan(eqx.Module):
 
 class SortDispatcher(AbstractRowWeightsDispatcher):
     """Stable sort by expert id; ties keep token order, so the layout is deterministic."""
+
+    requires_gpu: ClassVar[bool] = False
 
     def _dispatch(self, x, routing):
         n_experts = routing.scores.shape[-1]

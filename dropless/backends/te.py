@@ -36,12 +36,14 @@ def _runtime_cublaslt_version() -> int:
 
 @functools.cache
 def load_te():
-    """Imports Transformer Engine for JAX once, and picks its grouped-GEMM path.
+    """Imports Transformer Engine for JAX and picks its grouped-GEMM path, once per process,
+    when a TE strategy is first built or run (importing this module does neither).
 
-    The one place where the grouped-GEMM path is chosen: TE 2.20 enables its newer ("v2")
-    grouped GEMM from the cuBLAS it was *built* with, but the kernel needs the *run-time*
-    cuBLASLt to be 13.3 or newer. Where the run-time library is older we select TE's
-    multi-stream path instead, which works with any cuBLAS.
+    The one place where the grouped-GEMM path is chosen, and a process-wide effect: TE 2.20
+    enables its newer ("v2") grouped GEMM from the cuBLAS it was *built* with, but the kernel
+    needs the *run-time* cuBLASLt to be 13.3 or newer. Where the run-time library is older this
+    switches TE's own (private) flag to its multi-stream path, which works with any cuBLAS,
+    for every user of TE in the process.
     """
     try:
         import transformer_engine.jax  # noqa: F401  (loads the C++ extension)

@@ -6,6 +6,7 @@ CPU tests check against the `RaggedDot` oracle. tokamax is optional, and its typ
 it out of an environment that runs the dropless command (docs/backends.md).
 """
 
+import functools
 from typing import ClassVar, Literal
 
 import equinox as eqx
@@ -19,8 +20,14 @@ from dropless.routing import JnpTopK
 Implementation = Literal["mosaic", "triton", "xla"]
 
 
+@functools.cache
 def load_tokamax():
-    """The `tokamax` module, or `BackendUnavailableError` saying how to install it."""
+    """The `tokamax` module, or `BackendUnavailableError` saying how to install it; imported
+    once per process, when a tokamax strategy is first built or run (importing this module
+    does not).
+
+    A process-wide effect: absl's flags are marked parsed (where nothing parsed them yet), so
+    tokamax keeps its defaults instead of parsing a command line it does not own."""
     try:
         import tokamax
     except Exception as err:  # an ImportError, or typeguard 4 failing on tokamax's annotations

@@ -32,7 +32,7 @@ from dropless.cli.launch import run_local
 from dropless.cli.options import MODEL_HELP, ModelOptions, PresetsCommand, TrainCommand
 from dropless.cli.parsing import parse, vocab_given
 from dropless.cli.run import list_presets, run_name, run_train
-from dropless.train.distributed import initialize_from_env
+from dropless.train.loop.distributed import initialize_from_env
 
 __all__ = [
     "MODEL_HELP",

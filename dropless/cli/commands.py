@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dropless.backends import BackendUnavailableError
 from dropless.cli import evaluate, generate, plan
 from dropless.data import cli as prepare
-from dropless.train.checkpoint import CheckpointError
+from dropless.train.store.checkpoint import CheckpointError
 
 # name -> (one-line description, add the options to a parser, run the parsed options)
 Command = tuple[str, Callable[[argparse.ArgumentParser], object], Callable[..., int]]

@@ -3,8 +3,8 @@ table and appended to the run's metrics.jsonl (`"split": "eval_cli"`)."""
 
 import argparse
 
-from dropless.train.run_dir import load_run
-from dropless.train.run_eval import append_metrics, evaluate_run
+from dropless.train.loop.run_eval import append_metrics, evaluate_run
+from dropless.train.store.run_dir import load_run
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -12,7 +12,8 @@ import numpy as np
 
 from dropless.data.tokenizer import AbstractTokenizer, load_tokenizer
 from dropless.models.deepseek_v3 import DeepSeekV3, from_pretrained, generate
-from dropless.train.run_dir import TOKENIZER_FILE, load_run
+from dropless.train.store.layout import TOKENIZER_FILE
+from dropless.train.store.run_dir import load_run
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

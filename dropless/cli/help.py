@@ -12,7 +12,7 @@ import types
 import typing
 from typing import Annotated, Literal
 
-from dropless.cli.options import MODEL_HELP, ModelOptions, TrainCommand
+from dropless.cli.options import MODEL_HELP, ModelOptions, TrainCommand, backend_names
 from dropless.train.config import TrainConfig
 
 HELP_FLAGS = ("-h", "--help", "--help-all")
@@ -100,6 +100,8 @@ def options(defaults: TrainCommand) -> list[Option]:
         if field.name not in ("model", "train"):
             value = getattr(defaults, field.name)
             flags = _flags(field.name, field.type)
+            if field.name == "backend":  # the names registered now
+                flags = f"--backend {{{','.join(backend_names())}}}"
             out.append(Option(field.name, flags, command_docs[field.name], value, "run"))
     train_docs, groups = _attribute_docs(TrainConfig), _field_groups(TrainConfig)
     for field in dataclasses.fields(TrainConfig):

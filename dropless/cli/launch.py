@@ -2,11 +2,11 @@
 
 The launcher starts N children, `python -m dropless train <the same options> --out-dir DIR`,
 each with `JAX_COORDINATOR_ADDRESS` (a free local port), `JAX_NUM_PROCESSES` and
-`JAX_PROCESS_ID` set (`dropless.train.distributed.initialize_from_env` joins them). Process 0
+`JAX_PROCESS_ID` set (`dropless.train.loop.distributed.initialize_from_env` joins them). Process 0
 prints to this terminal; the others write `DIR/process-<i>.log`. When a child fails, the others
 are stopped (SIGTERM, then SIGKILL after `GRACE_S`) and the launcher exits with 1 naming it.
 A SIGTERM to the launcher goes to every child: they stop after one common step, saved
-(`dropless.train.preempt`), and the launcher exits with 143 once all have.
+(`dropless.train.loop.preempt`), and the launcher exits with 143 once all have.
 Each child sees the devices the environment gives it (on a CPU,
 `XLA_FLAGS=--xla_force_host_platform_device_count=4` gives each 4).
 """
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from dropless.cli.options import TrainCommand
 from dropless.cli.run import run_name
-from dropless.train import distributed
+from dropless.train.loop import distributed
 
 FLAG = "--local-processes"
 GRACE_S = 10.0  # how long a stopped child may take to exit before it is killed

@@ -61,7 +61,12 @@ MODEL_HELP = {
 }
 
 PRESET_NAMES = tuple(PRESETS)
-BACKEND_NAMES = ("auto", *BACKENDS)
+
+
+def backend_names() -> tuple[str, ...]:
+    """ "auto" and every registered backend, as the registry is when asked (so a name that
+    `register_backend` adds reaches `--backend` and a config file's `backend:`)."""
+    return ("auto", *BACKENDS)
 
 
 def _model_options_class() -> type:
@@ -112,7 +117,7 @@ class TrainCommand:
     config: str | None = None
     """YAML file with (some of) the sections `preset`, `backend`, `model`, `train`, such as
     the config.yaml of a run; flags override it."""
-    backend: Literal[BACKEND_NAMES] = "auto"  # type: ignore[valid-type]
+    backend: str = "auto"
     """MoE backend: 'auto' (pallas on a Hopper GPU, te-gmm on other GPUs where TE imports,
     jnp-capacity on a GPU without it, else jnp), 'jnp', 'ragged', 'te', ..."""
     out_dir: str | None = None

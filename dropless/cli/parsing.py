@@ -14,11 +14,11 @@ import tyro
 
 from dropless.cli.config_file import load_yaml_config, replace_checked
 from dropless.cli.help import HELP_FLAGS, full_help, short_help
-from dropless.cli.options import BACKEND_NAMES, PresetsCommand, TrainCommand, to_options
+from dropless.cli.options import PresetsCommand, TrainCommand, backend_names, to_options
 from dropless.models.deepseek_v3 import get_preset
 from dropless.train.config import TrainConfig
-from dropless.train.resume import saved_run_config
-from dropless.train.setup import CHECKPOINT_DIR, CONFIG_FILE
+from dropless.train.store.layout import CHECKPOINT_DIR, CONFIG_FILE
+from dropless.train.store.resume import saved_run_config
 
 
 def flag_value(args: Sequence[str], name: str) -> str | None:
@@ -42,13 +42,16 @@ def defaults(args: Sequence[str], saved: dict | None = None) -> TrainCommand:
     model = replace_checked(model, data.get("model") or {}, f"{file}: model")
     train = replace_checked(TrainConfig(), data.get("train") or {}, f"{file}: train")
     backend = data.get("backend", "auto")
-    if backend not in BACKEND_NAMES:
-        raise ValueError(
-            f"{file}: unknown backend {backend!r}; known backends: {', '.join(BACKEND_NAMES)}"
-        )
+    if backend not in backend_names():
+        raise ValueError(f"{file}: {_unknown_backend(backend)}")
     return TrainCommand(
         model=to_options(model), train=train, preset=preset, config=file, backend=backend
     )
+
+
+def _unknown_backend(name: str) -> str:
+    known = ", ".join(repr(n) for n in backend_names())
+    return f"unknown backend {name!r}; known backends: {known}"
 
 
 def _print_help(args: Sequence[str]) -> None:
@@ -84,6 +87,13 @@ def parse(args: Sequence[str], _saved: dict | None = None) -> TrainCommand | Pre
             prog="dropless",
             description="dropless: dropless Mixture-of-Experts training in JAX.",
         )
+    if isinstance(command, TrainCommand) and command.backend not in backend_names():
+        print(
+            f"dropless: error: --backend: {_unknown_backend(command.backend)} "
+            "(see dropless train --help)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     if _saved is not None:
         return command
     resumed = _resumed_config(command)

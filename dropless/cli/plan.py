@@ -1,4 +1,4 @@
-"""`dropless plan`: the command-line front end of `dropless.train.plan`."""
+"""`dropless plan`: the command-line front end of `dropless.train.plan.plan`."""
 
 import argparse
 import sys
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dropless.cli.config_file import apply_overrides
 from dropless.models.deepseek_v3 import get_preset
 from dropless.train.config import TrainConfig
-from dropless.train.plan import EXCHANGES, FSDP_GATHERS, format_plan, parse_bytes, plan
+from dropless.train.plan.plan import EXCHANGES, FSDP_GATHERS, format_plan, parse_bytes, plan
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -9,13 +9,13 @@ import time
 from dropless.backends import resolve_backend_name
 from dropless.cli.options import TrainCommand
 from dropless.models.deepseek_v3 import PRESETS, count_params, get_preset
-from dropless.train.checkpoint import CheckpointError
-from dropless.train.compile_cache import enable_compile_cache
-from dropless.train.data_source import DataSource, fit_vocab, open_data
-from dropless.train.loop import TrainingDiverged, TrainingPreempted, train
-from dropless.train.metrics import EvalLines, ProgressBar
-from dropless.train.run_lock import RunDirectoryLocked
-from dropless.train.sample import eval_prompt, sample
+from dropless.train.loop.callbacks import EvalLines, ProgressBar
+from dropless.train.loop.data_source import DataSource, fit_vocab, open_data
+from dropless.train.loop.loop import TrainingDiverged, TrainingPreempted, train
+from dropless.train.loop.sample import eval_prompt, sample
+from dropless.train.store.checkpoint import CheckpointError
+from dropless.train.store.compile_cache import enable_compile_cache
+from dropless.train.store.lock import RunDirectoryLocked
 
 SAMPLE_PROMPT_TOKENS = 24
 SAMPLE_NEW_TOKENS = 160

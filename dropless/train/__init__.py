@@ -7,28 +7,22 @@ results = train(get_preset("tiny"), TrainConfig(steps=200), out_dir="runs/tiny")
 run = load_run("runs/tiny")          # its configs, model and tokenizer, back from the checkpoint
 """
 
-from dropless.train.checkpoint import Checkpointer, CheckpointError, open_for_resume
-from dropless.train.compile_cache import enable_compile_cache
-from dropless.train.config import TrainConfig
-from dropless.train.cross_entropy import head_cross_entropy  # not the module's namesake
-from dropless.train.data import (
+from dropless.data.datasets import (
     AbstractDataset,
     Batch,
     SyntheticCorpus,
     TokenFile,
     token_file_splits,
 )
-from dropless.train.finish import TrainResults
-from dropless.train.loop import TrainingDiverged, TrainingPreempted, evaluate, train
-from dropless.train.metrics import (
-    Callback,
-    EvalLines,
-    MetricsWriter,
-    ProgressBar,
-    TensorBoard,
-    read_jsonl,
-)
-from dropless.train.optim import (
+from dropless.train.config import TrainConfig
+from dropless.train.loop.callbacks import Callback, EvalLines, ProgressBar, TensorBoard
+from dropless.train.loop.finish import TrainResults
+from dropless.train.loop.loop import TrainingDiverged, TrainingPreempted, evaluate, train
+from dropless.train.loop.metrics import MetricsWriter, read_jsonl
+from dropless.train.loop.run_eval import evaluate_run
+from dropless.train.loop.setup import config_dict, make_datasets
+from dropless.train.step.cross_entropy import head_cross_entropy  # not the module's namesake
+from dropless.train.step.optim import (
     expert_bias_filter,
     learning_rate,
     optimizer,
@@ -36,10 +30,7 @@ from dropless.train.optim import (
     warmup_cosine,
     weight_decay_mask,
 )
-from dropless.train.run_dir import LoadedRun, load_run
-from dropless.train.run_eval import evaluate_run
-from dropless.train.setup import config_dict, make_datasets
-from dropless.train.step import (
+from dropless.train.step.step import (
     TrainState,
     eval_step,
     init_state,
@@ -47,6 +38,9 @@ from dropless.train.step import (
     total_loss,
     train_step,
 )
+from dropless.train.store.checkpoint import Checkpointer, CheckpointError, open_for_resume
+from dropless.train.store.compile_cache import enable_compile_cache
+from dropless.train.store.run_dir import LoadedRun, load_run
 
 __all__ = [
     "AbstractDataset",

@@ -5,13 +5,13 @@ import math
 from typing import Literal
 
 from dropless.field_types import field_type_error
-from dropless.sharding import parse_mesh
+from dropless.sharding.mesh import parse_mesh
 
 # A bf16 moment m moves by (1 - beta) * (x - m) a step, and a move below half an ulp (2**-9
 # to 2**-8 of m) rounds away. With zero gradients that is a decay by (1 - beta) * m: at
 # beta = 0.999 a bf16 second moment never shrinks. With unit Gaussian gradients over 3000
 # steps a bf16 second moment ends about 4.5% high at beta = 0.99 and within 1% at 0.98
-# (tests/train/test_optim.py), hence the bound.
+# (tests/train/step/test_optim.py), hence the bound.
 MAX_BF16_BETA = 0.98
 
 
@@ -71,7 +71,7 @@ class TrainConfig:
     """Clip gradients to this global norm (0 turns clipping off)."""
     max_update_ratio: float = 1.0
     """Stop the run (before saving) at a step whose update's norm exceeds this multiple of the
-    parameters' norm (0: no bound); see `dropless.train.guard`."""
+    parameters' norm (0: no bound); see `dropless.train.loop.guard`."""
     moments_dtype: Literal["float32", "bfloat16"] = "float32"
     """Storage of AdamW's two moments (always computed in float32). DeepSeek-V3 keeps them in
     bf16: 4 bytes less per parameter, read and written each step. Needs b1, b2 <= 0.98 (see

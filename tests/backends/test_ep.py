@@ -14,8 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dropless import sharding
-from dropless.backends import ep as ep_module
-from dropless.backends import get_backend, with_backend
+from dropless.backends import ep_exchange, get_backend, with_backend
 from dropless.backends.ep import (
     AllToAllDispatcher,
     buffer_rows,
@@ -25,6 +24,7 @@ from dropless.backends.ep import (
     ragged_bound,
     resolve_exchange,
 )
+from dropless.dispatch import AbstractExpertParallelDispatcher
 from dropless.moe import MoE
 from dropless.routing import RoutingSpec
 
@@ -188,7 +188,7 @@ def emulated_ragged_all_to_all(
 
 @pytest.fixture
 def emulate_ragged(monkeypatch):
-    monkeypatch.setattr(ep_module, "_ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(ep_exchange, "_ragged_all_to_all", emulated_ragged_all_to_all)
 
 
 def test_ragged_exchange_matches_single_device(emulate_ragged):
@@ -352,7 +352,7 @@ def test_registry_entry():
     bundle = get_backend("ep")
     assert isinstance(bundle.dispatcher, AllToAllDispatcher)
     assert bundle.dispatcher.axis_name == "expert"
-    assert type(bundle.dispatcher).supports_expert_parallel
+    assert isinstance(bundle.dispatcher, AbstractExpertParallelDispatcher)
     assert not bundle.requires_gpu
     custom = ep_backend(recv_factor=1.5, overflow="drop")
     assert custom.dispatcher.recv_factor == 1.5 and custom.dispatcher.overflow == "drop"

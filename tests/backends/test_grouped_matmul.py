@@ -18,6 +18,8 @@ class FlatWalk(AbstractGroupedMatmul):
     """`CapacityGroupedMatmul`'s overflow loop as it walks on an accelerator (one flat loop,
     here 3 chunks per trip), run on any platform."""
 
+    requires_gpu = False
+
     capacity_factor: float
     chunk: int
     chunks_per_trip: int = 3

@@ -35,20 +35,55 @@ def test_tuned_entries_divide_their_shapes():
         pallas.check_divides(op, cfg, in_width, out_width)
 
 
-def test_a_tiles_file_overrides_the_table(tmp_path, monkeypatch):
+def test_a_tiles_file_overrides_the_table(tmp_path):
     path = tmp_path / "tiles.json"
     entry = {"op": "dgrad", "in": 384, "out": 256, "block_m": 64, "block_n": 128}
     entry |= {"block_k": 128, "max_concurrent_steps": 2, "grid_block_n": 3}
     path.write_text(json.dumps([entry]))
-    monkeypatch.setenv(pallas.TILES_ENV, str(path))
-    assert pallas.block_config("dgrad", 384, 256) == pallas.BlockConfig(64, 128, 128, 2, 3)
-    assert pallas.block_config("fwd", 384, 256) == pallas.BlockConfig()  # not in the file
+    tiles = pallas.TileTable.from_file(path)
+    assert pallas.block_config("dgrad", 384, 256, tiles) == pallas.BlockConfig(64, 128, 128, 2, 3)
+    assert pallas.block_config("fwd", 384, 256, tiles) == pallas.BlockConfig()  # not in the file
+    assert pallas.block_config("dgrad", 384, 256) == pallas.BlockConfig()  # without the tiles
     entry["out"] = 250  # 250 is no multiple of block_k=128, which dgrad contracts
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([entry]))
-    monkeypatch.setenv(pallas.TILES_ENV, str(bad))
     with pytest.raises(ValueError, match="width 250 must be a multiple of block_k=128"):
-        pallas.block_config("dgrad", 384, 250)
+        pallas.block_config("dgrad", 384, 250, pallas.TileTable.from_file(bad))
+
+
+def test_the_strategys_tiles_reach_the_weight_gradient(monkeypatch):
+    """The custom VJP hands `PallasGroupedMatmul.tiles` to JAX's weight-gradient kernel (run
+    where ours cannot tile the widths): checked on any platform with the kernels replaced by
+    the reference ops."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    seen = []
+
+    def run_op(op, a, b, group_sizes, cfg):
+        seen.append((op, cfg))
+        return pallas.reference_op(op, a, b, group_sizes).astype(a.dtype)
+
+    monkeypatch.setattr(pallas, "run_op", run_op)
+    monkeypatch.setattr(pallas.mosaic, "weight_grad_fits", lambda in_width, out_width: False)
+    monkeypatch.setattr(
+        pallas.mosaic,
+        "grouped_matmul",
+        lambda a, b, sizes, transpose_rhs=False: pallas.reference_op(
+            "dgrad" if transpose_rhs else "fwd", a, b, sizes
+        ).astype(a.dtype),
+    )
+    cfg = pallas.BlockConfig(64, 128, 64, 2, 1)
+    tiles = pallas.TileTable(((("wgrad", 128, 256), cfg),))
+    sizes = jnp.array([5, 0, 11], jnp.int32)
+    lhs = jax.random.normal(jax.random.key(0), (16, 128))
+    rhs = jax.random.normal(jax.random.key(1), (3, 128, 256))
+    gmm = pallas.PallasGroupedMatmul(compute_dtype="bfloat16", tiles=tiles)
+    grad = jax.grad(lambda w: gmm(lhs, w, sizes).astype(jnp.float32).sum())(rhs)
+    assert seen == [("wgrad", cfg)]
+    want = pallas.reference_op("wgrad", lhs, jnp.ones((16, 256)), sizes)
+    np.testing.assert_allclose(grad, want, rtol=2e-2, atol=2e-1)
 
 
 @pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])

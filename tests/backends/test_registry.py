@@ -5,6 +5,7 @@ import pytest
 
 from dropless.backends import (
     BACKENDS,
+    AutoBackend,
     Backend,
     BackendUnavailableError,
     CapacityGroupedMatmul,
@@ -15,8 +16,10 @@ from dropless.backends import (
     get_backend,
     register_backend,
     registry,
+    resolve_backend_name,
     with_backend,
 )
+from dropless.backends.backend import has_gpu
 from dropless.dispatch import AbstractRowWeightsDispatcher
 from dropless.moe import MoE
 from dropless.routing import AbstractTopK, JnpTopK, RoutingSpec
@@ -25,12 +28,16 @@ from dropless.routing import AbstractTopK, JnpTopK, RoutingSpec
 class MarkedTopK(AbstractTopK):
     """`JnpTopK`'s routing, a type of its own to see whether a swap kept it."""
 
+    requires_gpu = False
+
     def _impl(self, logits, bias, spec):
         return JnpTopK()(logits, bias, spec)
 
 
 class MarkedDispatcher(AbstractRowWeightsDispatcher):
     """`SortDispatcher`'s dispatch, a type of its own."""
+
+    requires_gpu = False
 
     def _dispatch(self, x, routing):
         return SortDispatcher()._dispatch(x, routing)
@@ -139,3 +146,14 @@ def test_available_backends_leave_out_expert_parallel_ones():
 def test_unknown_names_list_the_known_ones():
     with pytest.raises(ValueError, match="known backends: auto, ep, jnp"):
         get_backend("nope")
+
+
+def test_auto_is_a_value_that_says_what_it_picked():
+    name, bundle = AutoBackend().select()
+    assert name in BACKENDS and name == resolve_backend_name(AutoBackend())
+    assert name == resolve_backend_name("auto")
+    assert bundle == get_backend(AutoBackend()) == get_backend("auto")
+    if not has_gpu():
+        assert (name, bundle) == ("jnp", get_backend("jnp"))
+    swapped = with_backend(_layer(), AutoBackend())
+    assert swapped.experts.gmm == bundle.gmm and swapped.dispatcher == bundle.dispatcher

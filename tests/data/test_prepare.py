@@ -5,8 +5,8 @@ import pytest
 import tokenizers
 
 from dropless.data import ByteTokenizer, HFTokenizer, load_tokenizer, prepare
+from dropless.data.datasets import TokenFile
 from dropless.data.tokenizer import EOS
-from dropless.train.data import TokenFile
 
 PROSE = "Le cœur a ses raisons que la raison ne connaît point. 😀 <|endoftext|> as text\n"
 

@@ -1,0 +1,141 @@
+"""Sharded parameters, optimizer state and batches: the PartitionSpecs `AXIS_RULES` gives
+them, their placement on a mesh, and the all-gather of fsdp-sharded arrays inside a
+`jax.shard_map` (their gradient is reduce-scattered by the transpose), so storage and optimizer
+state are split, compute is not (ZeRO-2 style)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import PyTree
+
+from dropless.experts import GroupedExperts
+from dropless.sharding.mesh import axes_size, batch_spec, mesh_axes
+
+FSDP_MIN_SIZE = 2**16  # parameters with fewer elements stay replicated under fsdp
+
+
+def logical_param_specs(model: PyTree, *, fsdp_min_size: int = FSDP_MIN_SIZE) -> PyTree:
+    """A logical PartitionSpec for every array of `model` (None for everything else).
+
+    The experts dimension of `GroupedExperts` weights (the third from last, after any stacked
+    layer dimensions) is "experts"; the largest other dimension of every floating array with at
+    least `fsdp_min_size` elements is "fsdp"; everything else is replicated.
+    """
+
+    def spec(leaf, experts_dim=None):
+        if not eqx.is_array(leaf):
+            return None
+        names: list[str | None] = [None] * leaf.ndim
+        if experts_dim is not None:
+            names[experts_dim] = "experts"
+        if jnp.issubdtype(leaf.dtype, jnp.inexact) and leaf.size >= fsdp_min_size:
+            free = [d for d in range(leaf.ndim) if names[d] is None]
+            if free:
+                names[max(free, key=lambda d: (leaf.shape[d], -d))] = "fsdp"
+        return P(*names)
+
+    def node(n):
+        if isinstance(n, GroupedExperts):
+            return jax.tree.map(lambda a: spec(a, a.ndim - 3 if eqx.is_array(a) else None), n)
+        return spec(n)
+
+    return jax.tree.map(node, model, is_leaf=lambda n: isinstance(n, GroupedExperts))
+
+
+def to_mesh_spec(logical: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """A logical PartitionSpec -> mesh PartitionSpec, through `AXIS_RULES`."""
+    out = []
+    for name, size in zip(logical, shape, strict=True):
+        axes = mesh_axes(mesh, name) if name is not None else ()
+        if axes and size % axes_size(mesh, axes):
+            if name == "experts":
+                raise ValueError(
+                    f"the experts dimension ({size}) must be divisible by the size of mesh axes "
+                    f"{axes} ({axes_size(mesh, axes)}): n_routed_experts % expert == 0"
+                )
+            axes = ()
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+def param_specs(model: PyTree, mesh: Mesh, *, fsdp_min_size: int = FSDP_MIN_SIZE) -> PyTree:
+    """Mesh PartitionSpecs for every array of `model` (None elsewhere), per `AXIS_RULES`."""
+    logical = logical_param_specs(model, fsdp_min_size=fsdp_min_size)
+    return jax.tree.map(
+        lambda leaf, spec: None if spec is None else to_mesh_spec(spec, leaf.shape, mesh),
+        model,
+        logical,
+        is_leaf=lambda n: n is None,
+    )
+
+
+def _shardings(specs: PyTree, mesh: Mesh) -> PyTree:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def shard_model(model: PyTree, mesh: Mesh, *, fsdp_min_size: int = FSDP_MIN_SIZE) -> PyTree:
+    """The same model with every array placed on `mesh` as `param_specs` says."""
+    arrays, static = eqx.partition(model, eqx.is_array)
+    specs = param_specs(arrays, mesh, fsdp_min_size=fsdp_min_size)
+    return eqx.combine(jax.device_put(arrays, _shardings(specs, mesh)), static)
+
+
+def opt_state_specs(opt_state: PyTree, params: PyTree, specs: PyTree) -> PyTree:
+    """PartitionSpecs for an optax state: every leaf that mirrors a parameter (same key path
+    suffix, same shape: Adam's mu and nu, momentum, ...) is sharded like it; the rest (step
+    counts, scalars, factored statistics) is replicated."""
+    by_path: dict[tuple, tuple[tuple[int, ...], P]] = {}
+    for (path, leaf), spec in zip(
+        jax.tree_util.tree_leaves_with_path(params),
+        jax.tree.leaves(specs),
+        strict=True,
+    ):
+        by_path[tuple(path)] = (leaf.shape, spec)
+
+    def spec_of(path, leaf):
+        if not hasattr(leaf, "shape"):  # arrays and the ShapeDtypeStructs of jax.eval_shape
+            return None
+        for start in range(len(path)):
+            hit = by_path.get(tuple(path[start:]))
+            if hit is not None and hit[0] == leaf.shape:
+                return hit[1]
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec_of, opt_state)
+
+
+def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
+    """Places a host batch on `mesh`, its leading dimension split over `batch_axes`.
+
+    With several processes, each passes its own rows (`jax.make_array_from_process_local_data`).
+    """
+    sharding = NamedSharding(mesh, batch_spec(mesh))
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+    return jax.tree.map(
+        lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), batch
+    )
+
+
+def _fsdp_axis(spec: P) -> tuple[int, str] | None:
+    for dim, entry in enumerate(spec):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if "fsdp" in axes:
+            return dim, "fsdp"
+    return None
+
+
+def gather_fsdp(arrays: PyTree, specs: PyTree) -> PyTree:
+    """Inside shard_map: all-gathers every fsdp-sharded array (its gradient reduce-scatters)."""
+
+    def gather(leaf, spec):
+        found = None if spec is None else _fsdp_axis(spec)
+        if found is None:
+            return leaf
+        dim, axis = found
+        return jax.lax.all_gather(leaf, axis, axis=dim, tiled=True)
+
+    return jax.tree.map(gather, arrays, specs, is_leaf=lambda n: n is None)

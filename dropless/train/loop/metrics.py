@@ -1,0 +1,52 @@
+"""Metrics: the run's JSONL log, written and read back. The end-of-run plots are in
+`dropless.train.loop.plots`, the loop's callbacks (progress bar, TensorBoard) in
+`dropless.train.loop.callbacks`.
+
+Each line of `metrics.jsonl` is one record; training records have `"split": "train"` and
+carry step, loss, ce, mtp, balance_loss, seq_balance_loss, z_loss, max_vio, dropped,
+grad_norm, update_norm, param_norm, lr, max_vio_layers (one per MoE layer), step_time,
+tokens_per_s and mfu (`dropless.train.loop.throughput`; null where the device's peak is unknown);
+evaluation records have `"split": "eval"`.
+"""
+
+import json
+import os
+
+from dropless.train.store.atomic import write_atomic
+
+
+class MetricsWriter:
+    """Appends records to a JSONL file, one line each, flushed as written.
+
+    `keep_until`: on opening, drop the existing records with a larger step (a resumed run
+    rewrites the steps after its checkpoint); None starts the file afresh. `kept`: the records
+    kept. The file is never truncated in place: the kept records are written to a temporary
+    file that replaces it (`dropless.train.store.atomic`), so a kill while resuming loses nothing.
+    """
+
+    def __init__(self, path: str, *, keep_until: int | None = None):
+        self.path = path
+        self.kept: list[dict] = []
+        if keep_until is not None and os.path.exists(path):
+            self.kept = [r for r in read_jsonl(path) if r.get("step", 0) <= keep_until]
+        write_atomic(path, (json.dumps(record) + "\n" for record in self.kept))
+        self._file = open(path, "a")  # noqa: SIM115 (closed in close())
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """All records of a JSONL file (a torn last line, from a killed run, is skipped)."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records

@@ -1,0 +1,4 @@
+"""The step wing of `dropless.train`: the loss (next-token cross-entropy plus the MoE terms),
+gradient accumulation, the optimiser, and the jitted train and eval steps on one device.
+
+It imports `dropless.train.config` and the layers below `dropless.train`, nothing else of it."""

@@ -1,0 +1,281 @@
+"""The train loop's state and steps on a device mesh (`TrainConfig.mesh`, `--mesh data=2,expert=4`).
+
+    mesh = resolve_mesh("data=2,expert=4", model_config, train_config)   # None: one device
+    model = prepare_model(model, mesh)          # expert-parallel when expert > 1, checked
+    state = shard_state(init_state(model, train_config), mesh)
+    state, metrics = sharded_train_step(mesh, state, sharding.shard_batch(tokens, mesh))
+
+The step is `dropless.train.step.step.train_step` run through `sharded_value_and_grad`: each
+device computes the loss of its slice of the batch; the loss terms are averaged over slices, the
+MoE statistics summed (tokens per expert and drops are those of the whole batch, MaxVio is
+recomputed from them), and the aux-loss-free expert-bias update sees the GLOBAL tokens per
+expert, so the step equals the single-device one. Exception: the batch-wise balance loss
+(`balance_loss_coef`) becomes the mean of per-device losses (see docs/distributed.md).
+
+Every array of the state lives on the mesh: parameters and Adam moments as
+`sharding.param_specs` / `opt_state_specs` say, the rest replicated. Checkpoints save those
+arrays as they are; a resumed run restores into the shardings of its freshly placed state.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Int, PyTree
+
+from dropless import sharding
+from dropless.backends import with_backend
+from dropless.backends.ep import ep_backend
+from dropless.dispatch import AbstractExpertParallelDispatcher
+from dropless.models.deepseek_v3 import (
+    DeepSeekV3,
+    DeepSeekV3Config,
+)
+from dropless.moe import MoEStats, with_loads
+from dropless.train.config import TrainConfig
+from dropless.train.step import optim
+from dropless.train.step.accumulate import accumulated
+from dropless.train.step.step import (
+    TrainState,
+    apply_gradients,
+    loads_only,
+    stats_metrics,
+    weighted_loss,
+)
+
+
+def resolve_mesh(
+    spec: str | None, model_config: DeepSeekV3Config, train_config: TrainConfig
+) -> Mesh | None:
+    """The mesh of a `--mesh` string, after checking the run fits on it; None when no mesh is
+    asked for or it has a single device (the run then takes the single-device path).
+
+    Raises ValueError naming the setting at fault: a malformed spec or one whose product is not
+    the device count (`mesh`), a batch (or micro-batch) the batch shards do not divide
+    (`batch_size`, `micro_batches`), experts the expert axis does not divide
+    (`n_routed_experts`).
+    """
+    if spec is None:
+        return None
+    try:
+        mesh = sharding.mesh_from_spec(spec)
+    except ValueError as err:
+        raise ValueError(f"TrainConfig.mesh = {spec!r}: {err}") from None
+    if mesh.size == 1:
+        return None
+    axes = sharding.batch_axes(mesh)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    slice_size = train_config.batch_size // train_config.micro_batches
+    if slice_size % shards:
+        layout = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+        per_slice = (
+            f" / micro_batches ({train_config.micro_batches})"
+            if train_config.micro_batches > 1
+            else ""
+        )
+        raise ValueError(
+            f"TrainConfig.batch_size ({train_config.batch_size}){per_slice} must be divisible by "
+            f"the number of batch shards of mesh {spec!r} ({shards}: {layout})"
+        )
+    ep = mesh.shape["expert"]
+    if ep > 1 and model_config.n_routed_experts % ep:
+        raise ValueError(
+            f"DeepSeekV3Config.n_routed_experts ({model_config.n_routed_experts}) must be "
+            f"divisible by the expert axis of mesh {spec!r} (expert={ep})"
+        )
+    return mesh
+
+
+def prepare_model(model: DeepSeekV3, mesh: Mesh) -> DeepSeekV3:
+    """`model` ready for `mesh`, checked by `sharding.check_expert_parallel` (not yet placed:
+    see `shard_state`). When the expert axis is > 1, a model whose dispatchers cannot move
+    tokens between devices gets the "ep" backend; an expert-parallel one (`nccl_ep`, an
+    `ep_backend(recv_factor=...)`) keeps its own."""
+    exchanging = all(
+        isinstance(d, AbstractExpertParallelDispatcher) for d in sharding.dispatchers(model)
+    )
+    if mesh.shape["expert"] > 1 and not exchanging:
+        model = with_backend(model, ep_backend())
+    sharding.check_expert_parallel(model, mesh)
+    return model
+
+
+def state_shardings(state: TrainState, mesh: Mesh) -> PyTree:
+    """A `NamedSharding` for every array of `state` (None elsewhere): the model's arrays per
+    `sharding.param_specs`, the optimiser's moments like their parameters, the rest replicated."""
+    model_arrays = eqx.filter(state.model, eqx.is_array)
+    model_specs = sharding.param_specs(model_arrays, mesh)
+    params = eqx.filter(state.model, optim.trainable_filter(state.model))
+    param_specs = sharding.param_specs(params, mesh)
+    opt_specs = sharding.opt_state_specs(state.opt_state, params, param_specs)
+    parts = (model_specs, opt_specs, P(), P(), {name: P() for name in state.hparams})
+    leaves = [NamedSharding(mesh, spec) for part in parts for spec in jax.tree.leaves(part)]
+    # unflatten, not TrainState(...): the fields hold shardings, not arrays
+    return jax.tree.unflatten(jax.tree.structure(eqx.filter(state, eqx.is_array)), leaves)
+
+
+def shard_state(state: TrainState, mesh: Mesh) -> TrainState:
+    """`state` with every array placed on `mesh` (`state_shardings`)."""
+    arrays, static = eqx.partition(state, eqx.is_array)
+    return eqx.combine(jax.device_put(arrays, state_shardings(arrays, mesh)), static)
+
+
+def _sum_unsharded(grads: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
+    """Inside shard_map (check_vma=False): each gradient is the local contribution; sum it over
+    the mesh axes along which its parameter is replicated (fsdp was reduce-scattered already)."""
+
+    def reduce(g, spec):
+        if g is None or spec is None:
+            return g
+        used = set()
+        for entry in spec:
+            used.update((entry,) if isinstance(entry, str) else tuple(entry or ()))
+        axes = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+        return jax.lax.psum(g, axes) if axes else g
+
+    return jax.tree.map(reduce, grads, specs, is_leaf=lambda n: n is None)
+
+
+def sharded_value_and_grad(
+    loss_fn: Callable[[PyTree, PyTree], Any],
+    mesh: Mesh,
+    *,
+    has_aux: bool = False,
+    diff_filter: Callable[[Any], bool] | PyTree = eqx.is_inexact_array,
+    fsdp_min_size: int = sharding.FSDP_MIN_SIZE,
+) -> Callable[[PyTree, PyTree], tuple[Any, PyTree]]:
+    """`eqx.filter_value_and_grad(loss_fn, has_aux)` run SPMD over `mesh`.
+
+    `loss_fn(model, batch)` runs on each device with its batch slice (leading dimension split
+    over `sharding.batch_axes`) and must return the mean over that slice (plus `aux` if
+    `has_aux`). The returned function takes global `(model, batch)` and gives `(loss, grads)` or
+    `((loss, aux), grads)`: the loss of the whole batch (mean over shards), `aux` averaged over
+    shards, and the gradient of the whole-batch loss with respect to the arrays `diff_filter`
+    selects (a callable on leaves, or a tree of bools like `optim.trainable_filter` returns), as
+    global arrays sharded like the parameters. Raises if the model cannot run on `mesh`
+    (`sharding.check_expert_parallel`).
+    """
+    axes = sharding.batch_axes(mesh)
+    shards = math.prod(mesh.shape[a] for a in axes)
+
+    def fn(model, batch):
+        sharding.check_expert_parallel(model, mesh)
+        diff, rest = eqx.partition(model, diff_filter)
+        rest, static = eqx.partition(rest, eqx.is_array)
+        diff_specs = sharding.param_specs(diff, mesh, fsdp_min_size=fsdp_min_size)
+        rest_specs = sharding.param_specs(rest, mesh, fsdp_min_size=fsdp_min_size)
+
+        def local(diff, rest, batch):
+            rest_full = sharding.gather_fsdp(rest, rest_specs)
+
+            def scaled(diff):
+                model = eqx.combine(sharding.gather_fsdp(diff, diff_specs), rest_full, static)
+                out = loss_fn(model, batch)
+                loss, aux = out if has_aux else (out, None)
+                return loss / shards, (loss, aux)
+
+            (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(diff)
+            grads = _sum_unsharded(grads, diff_specs, mesh)
+            if axes:
+                loss = jax.lax.pmean(loss, axes)
+                aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes), aux)
+            return loss, aux, grads
+
+        loss, aux, grads = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(diff_specs, rest_specs, sharding.batch_spec(mesh)),
+            out_specs=(P(), P(), diff_specs),
+            check_vma=False,
+        )(diff, rest, batch)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return fn
+
+
+def _constrain(state: TrainState, mesh: Mesh) -> TrainState:
+    arrays, static = eqx.partition(state, eqx.is_array)
+    arrays = jax.lax.with_sharding_constraint(arrays, state_shardings(arrays, mesh))
+    return eqx.combine(arrays, static)
+
+
+def _global_stats(stats: MoEStats, axes: tuple[str, ...]) -> MoEStats:
+    """Inside shard_map: stacked per-layer MoE statistics of this shard -> tokens per expert and
+    drops of the whole batch (MaxVio recomputed per layer from them); losses stay per shard (the
+    caller averages them)."""
+    counts, dropped = stats.tokens_per_expert, stats.dropped
+    if axes:
+        counts = jax.lax.psum(counts, axes)
+        dropped = jax.lax.psum(dropped, axes)
+    return with_loads(stats, counts, dropped)
+
+
+def _local_loss(mesh: Mesh):
+    """`loss_fn((model, weights), tokens)` for `sharded_value_and_grad`: the weighted
+    loss of this shard, and (terms, global main-stack stats, global MTP stats) as aux."""
+    axes = sharding.batch_axes(mesh)
+
+    def loss_fn(model_and_weights, tokens):
+        model, weights = model_and_weights
+        loss, (terms, stats) = weighted_loss(model, tokens, weights)
+        return loss, (terms, tuple(_global_stats(s, axes) for s in stats))
+
+    return loss_fn
+
+
+@eqx.filter_jit(donate="all-except-first")
+def sharded_train_step(
+    mesh: Mesh, state: TrainState, tokens: Int[Array, "batch window"], micro_batches: int = 1
+) -> tuple[TrainState, dict[str, Array]]:
+    """`dropless.train.step.step.train_step` on `mesh` (same metrics and `micro_batches`); `state`
+    must be placed by `shard_state`, `tokens` by `sharding.shard_batch`. `state` is donated."""
+    trainable = optim.trainable_filter(state.model)
+    frozen_weights = jax.tree.map(lambda _: False, state.hparams)
+    value_and_grad = sharded_value_and_grad(
+        _local_loss(mesh), mesh, has_aux=True, diff_filter=(trainable, frozen_weights)
+    )
+    value_and_grad = accumulated(value_and_grad, micro_batches)
+    (loss, (terms, stats)), (grads, _) = value_and_grad((state.model, state.hparams), tokens)
+    loads = loads_only(jax.lax.stop_gradient(stats))
+    new_state, metrics = apply_gradients(state, grads, loads, loss, terms)
+    return _constrain(new_state, mesh), metrics
+
+
+@eqx.filter_jit
+def sharded_eval_step(
+    mesh: Mesh,
+    model: DeepSeekV3,
+    tokens: Int[Array, "batch window"],
+    weights: dict[str, Array],
+    micro_batches: int = 1,
+) -> dict[str, Array]:
+    """`dropless.train.step.step.eval_step` on `mesh` (`tokens` split over the batch axes), each
+    device's share in `micro_batches` passes."""
+    axes = sharding.batch_axes(mesh)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    specs = sharding.param_specs(arrays, mesh)
+    loss_fn = _local_loss(mesh)
+
+    def without_gradient(model_and_weights, tokens):
+        return loss_fn(model_and_weights, tokens), None
+
+    def local(arrays, weights, tokens):
+        model = eqx.combine(sharding.gather_fsdp(arrays, specs), static)
+        run = accumulated(without_gradient, micro_batches)
+        (loss, (terms, stats)), _ = run((model, weights), tokens)
+        out = {"loss": loss, **terms}
+        if axes:
+            out = jax.tree.map(lambda a: jax.lax.pmean(a, axes), out)
+        return {**out, **stats_metrics(loads_only(stats))}
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(specs, P(), sharding.batch_spec(mesh)),
+        out_specs=P(),
+        check_vma=False,
+    )(arrays, weights, tokens)

@@ -1,0 +1,281 @@
+"""The loss, and the jitted train and eval steps.
+
+loss = cross-entropy(next token)
+     + mtp_loss_weight * mean over depths of the MTP cross-entropies
+     + balance_loss_coef * sum over MoE layers of the batch-wise balance loss
+     + seq_balance_loss_coef * sum over MoE layers of the sequence-wise balance loss
+     + z_loss_coef * sum over MoE layers of the router z-loss
+
+"MoE layers" are the main stack's and the MTP blocks'. The routers' `expert_bias`
+(aux-loss-free balancing) is no parameter of the optimiser: it is partitioned out before the
+gradient (so it gets neither gradient nor weight decay) and moved after the optimiser step by
+the sign rule (`dropless.balance.update_expert_bias`, through `with_updated_expert_bias`) from
+the step's tokens-per-expert.
+
+Loss weights and the schedule live in the state as arrays (`TrainState.hparams`), like the
+optimiser's numbers: the compiled step depends only on the model and the batch shape.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int, PyTree
+
+from dropless.models.deepseek_v3 import (
+    DeepSeekV3,
+    ModelFeatures,
+    ModelOutput,
+    mtp_targets,
+    with_updated_expert_bias,
+)
+from dropless.moe import MoE, MoEStats
+from dropless.precision import apply_updates
+from dropless.train.config import TrainConfig
+from dropless.train.step import optim
+from dropless.train.step.accumulate import accumulated
+from dropless.train.step.cross_entropy import cross_entropy, head_cross_entropy
+
+# TrainConfig fields that the step reads as data (see `hparams`).
+HPARAM_FIELDS = (
+    "lr",
+    "warmup_steps",
+    "steps",
+    "min_lr_ratio",
+    "mtp_loss_weight",
+    "balance_loss_coef",
+    "seq_balance_loss_coef",
+    "z_loss_coef",
+    "bias_update_rate",
+)
+
+
+class TrainState(eqx.Module):
+    """Everything a training run carries from step to step (and checkpoints)."""
+
+    model: DeepSeekV3
+    opt_state: PyTree
+    step: Int[Array, ""]  # optimiser steps done
+    expert_load: Float[Array, "layers experts"]  # tokens per expert, summed over the run
+    hparams: dict[str, Float[Array, ""]]  # HPARAM_FIELDS of the TrainConfig, as arrays
+
+
+def hparams(config: TrainConfig) -> dict[str, Float[Array, ""]]:
+    """The schedule and loss weights of `config`, as float32 scalars."""
+    return {name: jnp.asarray(getattr(config, name), jnp.float32) for name in HPARAM_FIELDS}
+
+
+def moe_layer_names(model: DeepSeekV3) -> list[str]:
+    """Names of the rows of the MoE statistics: the main MoE layers (by their index in the whole
+    model), then the MTP blocks ("mtp0", ...)."""
+    names = []
+    if model.moe_layers is not None and isinstance(model.moe_layers.mlp, MoE):
+        first = model.config.first_k_dense_replace
+        n = model.moe_layers.mlp.router.w_router.shape[0]
+        names += [str(first + i) for i in range(n)]
+    if model.mtp is not None and isinstance(model.mtp.layers.block.mlp, MoE):
+        n = model.mtp.layers.block.mlp.router.w_router.shape[0]
+        names += [f"mtp{d}" for d in range(n)]
+    return names
+
+
+def init_state(model: DeepSeekV3, config: TrainConfig) -> TrainState:
+    """The state before step 0: the optimiser sees only the trainable arrays."""
+    params = eqx.filter(model, optim.trainable_filter(model))
+    rows = len(moe_layer_names(model))
+    return TrainState(
+        model=model,
+        opt_state=optim.optimizer_state(config, params),
+        step=jnp.zeros((), jnp.int32),
+        expert_load=jnp.zeros((rows, model.config.n_routed_experts), jnp.float32),
+        hparams=hparams(config),
+    )
+
+
+def with_config(state: TrainState, config: TrainConfig) -> TrainState:
+    """`state` with every number of `config` (schedule, loss weights, optimiser settings)
+    installed, keeping the model, moments and counts: how a resumed run adopts its config."""
+    return TrainState(
+        model=state.model,
+        opt_state=optim.with_config(state.opt_state, config),
+        step=state.step,
+        expert_load=state.expert_load,
+        hparams=hparams(config),
+    )
+
+
+def all_moe_stats(out: ModelOutput | ModelFeatures) -> MoEStats:
+    """The statistics of every MoE layer: the main stack's rows, then the MTP blocks'."""
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out.moe_stats, out.mtp_moe_stats)
+
+
+def loss_terms(
+    model: DeepSeekV3, tokens: Int[Array, "batch window"]
+) -> tuple[dict[str, Float[Array, ""]], ModelOutput | ModelFeatures]:
+    """Unweighted loss terms of `model` on a batch of windows (inputs `tokens[:, :-1]`, targets
+    `tokens[:, 1:]`), and the model's output (its features when `config.loss_chunk` is set: the
+    loss then makes the logits chunk by chunk, `head_cross_entropy`).
+
+    `mtp` is the mean over depths of each depth's cross-entropy on its valid positions (see
+    `dropless.models.deepseek_v3.mtp_targets`); the balance terms are sums over every MoE layer.
+    """
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    chunk = model.config.loss_chunk
+    if chunk is None:
+        out = model(inputs)
+        main, mtp, loss = out.logits, out.mtp_logits, cross_entropy
+    else:  # the logits are made inside the loss, chunk by chunk
+        out = model.features(inputs)
+        w = model.head_weight().astype(out.hidden.dtype)
+        main, mtp = out.hidden, out.mtp_hidden
+
+        def loss(hidden, targets, mask=None):
+            with jax.named_scope("head"):
+                return head_cross_entropy(
+                    hidden,
+                    w,
+                    targets,
+                    mask,
+                    chunk=chunk,
+                    logits_dtype=model.config.logits_jnp_dtype,
+                )
+
+    terms = {"ce": loss(main, labels)}
+    if mtp is not None:
+        depth = mtp.shape[0]
+        targets, masks = mtp_targets(labels, depth)
+        per_depth = [loss(mtp[d], targets[d], masks[d]) for d in range(depth)]
+        terms["mtp"] = jnp.mean(jnp.stack(per_depth))
+    else:
+        terms["mtp"] = jnp.zeros((), jnp.float32)
+    stats = all_moe_stats(out)
+    terms["balance_loss"] = stats.balance_loss.sum()
+    terms["seq_balance_loss"] = stats.seq_balance_loss.sum()
+    terms["z_loss"] = stats.z_loss.sum()
+    return terms, out
+
+
+def total_loss(
+    terms: dict[str, Float[Array, ""]], weights: dict[str, Float[Array, ""]]
+) -> Float[Array, ""]:
+    """The weighted sum of the loss terms that the optimiser minimises (`weights`: `hparams`)."""
+    return (
+        terms["ce"]
+        + weights["mtp_loss_weight"] * terms["mtp"]
+        + weights["balance_loss_coef"] * terms["balance_loss"]
+        + weights["seq_balance_loss_coef"] * terms["seq_balance_loss"]
+        + weights["z_loss_coef"] * terms["z_loss"]
+    )
+
+
+def stats_metrics(out: ModelOutput) -> dict[str, Array]:
+    stats = all_moe_stats(out)
+    max_vio = stats.max_vio
+    return {
+        "max_vio": max_vio.mean() if max_vio.size else jnp.zeros(()),
+        "max_vio_layers": max_vio,
+        "tokens_per_expert": stats.tokens_per_expert,
+        "dropped": stats.dropped.sum(),
+    }
+
+
+def _learning_rate(state: TrainState) -> Float[Array, ""]:
+    h = state.hparams
+    return optim.warmup_cosine(
+        state.step,
+        lr=h["lr"],
+        warmup_steps=h["warmup_steps"],
+        steps=h["steps"],
+        min_lr_ratio=h["min_lr_ratio"],
+    )
+
+
+@eqx.filter_jit(donate="all")
+def train_step(
+    state: TrainState, tokens: Int[Array, "batch window"], micro_batches: int = 1
+) -> tuple[TrainState, dict[str, Array]]:
+    """One optimiser step on a batch of windows; `state` is donated (do not reuse it).
+    `micro_batches` > 1 computes the gradient in that many passes over equal slices of the
+    batch (`dropless.train.step.accumulate`), for batches too large for one pass.
+
+    Metrics are device arrays: scalars (loss, ce, mtp, balance_loss, seq_balance_loss, z_loss,
+    max_vio, dropped, grad_norm, update_norm, param_norm, lr) plus `max_vio_layers [layers]` and
+    `tokens_per_expert [layers experts]`.
+    """
+    params, frozen = eqx.partition(state.model, optim.trainable_filter(state.model))
+
+    def loss_fn(params, tokens):
+        return weighted_loss(eqx.combine(params, frozen), tokens, state.hparams)
+
+    value_and_grad = accumulated(eqx.filter_value_and_grad(loss_fn, has_aux=True), micro_batches)
+    (loss, (terms, stats)), grads = value_and_grad(params, tokens)
+    return apply_gradients(state, grads, loads_only(jax.lax.stop_gradient(stats)), loss, terms)
+
+
+def weighted_loss(
+    model: DeepSeekV3, tokens: Int[Array, "batch window"], weights: dict[str, Float[Array, ""]]
+) -> tuple[Float[Array, ""], tuple[dict[str, Float[Array, ""]], tuple[MoEStats, MoEStats]]]:
+    """The loss the optimiser minimises, with (its terms, the MoE statistics of the main stack
+    and of the MTP blocks): what `accumulated` sums over micro-batches."""
+    terms, out = loss_terms(model, tokens)
+    return total_loss(terms, weights), (terms, (out.moe_stats, out.mtp_moe_stats))
+
+
+def loads_only(stats: tuple[MoEStats, MoEStats]) -> ModelOutput:
+    """A ModelOutput carrying only the MoE statistics of the main stack and the MTP blocks: all
+    that the bias update and the step's metrics read."""
+    return ModelOutput(jnp.zeros((0, 0, 0)), None, *stats)
+
+
+def apply_gradients(
+    state: TrainState,
+    grads: PyTree,
+    out: ModelOutput,
+    loss: Float[Array, ""],
+    terms: dict[str, Float[Array, ""]],
+) -> tuple[TrainState, dict[str, Array]]:
+    """The rest of a step once the gradients are known, shared by the single-device and the
+    sharded step: the optimiser update, then (outside the gradient, and not an optimiser
+    parameter) the expert-bias update from the loads in `out`, and the step's metrics."""
+    params, frozen = eqx.partition(state.model, optim.trainable_filter(state.model))
+    lr = _learning_rate(state)
+    opt_state = optim.with_learning_rate(state.opt_state, lr)
+    updates, opt_state = optim.optimizer().update(grads, opt_state, params)
+    model = eqx.combine(apply_updates(params, updates), frozen)
+    # A rate of 0 leaves the bias exactly as it is.
+    model = with_updated_expert_bias(model, out, state.hparams["bias_update_rate"])
+    stats = stats_metrics(out)
+    new_state = TrainState(
+        model=model,
+        opt_state=opt_state,
+        step=state.step + 1,
+        expert_load=state.expert_load + stats["tokens_per_expert"],
+        hparams=state.hparams,
+    )
+    metrics = {
+        "loss": loss,
+        **terms,
+        **stats,
+        "grad_norm": optax.tree.norm(grads),
+        "update_norm": optax.tree.norm(updates),
+        "param_norm": optax.tree.norm(params),  # before the update: its bound's scale
+        "lr": lr,
+    }
+    return new_state, metrics
+
+
+@eqx.filter_jit
+def eval_step(
+    model: DeepSeekV3,
+    tokens: Int[Array, "batch window"],
+    weights: dict[str, Float[Array, ""]],
+    micro_batches: int = 1,
+) -> dict[str, Array]:
+    """Loss, its terms, max_vio and tokens_per_expert of `model` on a batch, no update; in
+    `micro_batches` passes like `train_step`, so that a batch that trains in slices evaluates."""
+
+    def loss_fn(model, tokens):
+        return weighted_loss(model, tokens, weights), None  # no gradient
+
+    (loss, (terms, stats)), _ = accumulated(loss_fn, micro_batches)(model, tokens)
+    return {"loss": loss, **terms, **stats_metrics(loads_only(stats))}

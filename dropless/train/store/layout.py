@@ -1,0 +1,12 @@
+"""The files of a run directory, by name: what `train` writes into `out_dir` and `load_run`,
+`dropless evaluate` and `dropless generate` read back."""
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+SUMMARY_FILE = "summary.json"
+CHECKPOINT_DIR = "checkpoints"
+# In a prepared data directory: the tokenizer a run's data was encoded with.
+TOKENIZER_FILE = "tokenizer.json"
+
+# What config.yaml records for a `Backend` value that is no registry name.
+CUSTOM_BACKEND = "custom"

@@ -1,0 +1,114 @@
+"""Resuming a run: pick the checkpoint (`TrainConfig.resume_step`, else the newest intact one,
+passing over corrupt, empty or half-written ones with a warning each), check it was written
+for this model, and warn about every setting that differs from the one it was saved with."""
+
+import dataclasses
+import json
+import os
+import warnings
+
+from dropless.models.deepseek_v3.config import DROPLESS_FIELDS
+from dropless.train.config import TrainConfig
+from dropless.train.step.step import TrainState
+from dropless.train.store.checkpoint import Checkpointer, CheckpointError, CorruptCheckpoint
+
+# Model settings that a resumed run may change: they touch no array.
+FREE_ON_RESUME = tuple(f for f in DROPLESS_FIELDS if f != "param_dtype")
+
+# TrainConfig fields whose change on resume is the point of resuming, not worth a warning.
+_EXPECTED_CHANGES = ("steps", "resume", "resume_step")
+
+
+def check_model(checkpointer: Checkpointer, step: int, fresh: TrainState) -> dict:
+    """The saved run config of checkpoint `step`, after checking it was written for the same
+    architecture as `fresh`."""
+    saved_config = checkpointer.read_meta(step).get("config", {})
+    saved = saved_config.get("model") or {}
+    current = json.loads(json.dumps(dataclasses.asdict(fresh.model.config)))
+    changed = [
+        k for k in current if k not in FREE_ON_RESUME and k in saved and saved[k] != current[k]
+    ]
+    if changed:
+        diffs = ", ".join(f"{k}: {saved[k]!r} -> {current[k]!r}" for k in changed)
+        raise CheckpointError(
+            f"cannot resume from {checkpointer.directory}: it was written for another model "
+            f"configuration ({diffs})"
+        )
+    return saved_config
+
+
+def saved_run_config(checkpoint_dir: str) -> dict | None:
+    """The run config (sections backend, model, train) saved with the newest readable checkpoint
+    in `checkpoint_dir`, or None where there is none: what a resumed run whose config.yaml is
+    gone continues with."""
+    if not os.path.isdir(checkpoint_dir):
+        return None
+    checkpointer = Checkpointer(checkpoint_dir)
+    try:
+        for step in checkpointer.steps()[::-1]:
+            try:
+                config = checkpointer.read_meta(step).get("config")
+            except CorruptCheckpoint:
+                continue
+            if config:
+                return config
+    finally:
+        checkpointer.close()
+    return None
+
+
+def config_changes(saved: dict, train_config: TrainConfig) -> list[str]:
+    """'field: saved -> now' for each training setting that differs from the checkpoint's."""
+    now = json.loads(json.dumps(dataclasses.asdict(train_config)))
+    return [
+        f"{k}: {saved[k]!r} -> {now[k]!r}"
+        for k in now
+        if k not in _EXPECTED_CHANGES and k in saved and saved[k] != now[k]
+    ]
+
+
+def restore_intact(
+    checkpointer: Checkpointer, fresh: TrainState, train_config: TrainConfig
+) -> TrainState:
+    """The state of checkpoint `train_config.resume_step`, else of the newest intact one.
+    Checkpoints after the one restored are set aside (`Checkpointer.set_aside`), so that the
+    run saves those steps afresh."""
+    steps = checkpointer.steps()
+    chosen = train_config.resume_step
+    if chosen is not None and chosen not in steps:
+        raise CheckpointError(
+            f"--resume-step {chosen}: no checkpoint for step {chosen} in "
+            f"{checkpointer.directory}; available: {steps}"
+        )
+    candidates = [chosen] if chosen is not None else steps[::-1]
+    skipped = []
+    for step in candidates:
+        try:
+            saved = check_model(checkpointer, step, fresh)
+            state, _ = checkpointer.restore(fresh, step)
+        except CorruptCheckpoint as err:
+            if chosen is not None:
+                raise
+            skipped.append(str(err))
+            warnings.warn(f"{err}; trying an older checkpoint", stacklevel=2)
+            continue
+        break
+    else:
+        raise CheckpointError(
+            f"cannot resume: no intact checkpoint in {checkpointer.directory} ("
+            + "; ".join(skipped)
+            + ")"
+        )
+    moved = checkpointer.set_aside(step)
+    if moved:
+        warnings.warn(
+            f"resuming from step {step}; the later checkpoints were moved to {', '.join(moved)}",
+            stacklevel=2,
+        )
+    changes = config_changes(saved.get("train") or {}, train_config)
+    if changes:
+        warnings.warn(
+            f"resuming with settings that differ from the checkpoint's: {', '.join(changes)}",
+            stacklevel=2,
+        )
+    return state

@@ -1,0 +1,169 @@
+"""A trained run, loaded back: `load_run(run_dir)` reads what `train` wrote into `run_dir`.
+
+    run = load_run("runs/tiny")                 # the latest checkpoint; step=N for another
+    tokens = run.tokenizer.encode("def ")       # None for a run on the synthetic corpus
+    out = generate(run.model, tokens[None], max_new_tokens=50)
+
+The configs come from the run's `config.yaml`; the model from its checkpoint. A checkpoint holds
+the whole `TrainState` (optimiser moments included): the state to fill is built abstractly with
+`eqx.filter_eval_shape`, so nothing is initialised only to be overwritten, and the optimiser
+state is dropped once read. The tokenizer is the `tokenizer.json` of the run's prepared data
+directory (where `load_tokenizer` finds one).
+"""
+
+import dataclasses
+import os
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import yaml
+
+from dropless.backends import Backend, get_backend
+from dropless.data.tokenizer import AbstractTokenizer, load_tokenizer
+from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
+from dropless.train.config import TrainConfig
+from dropless.train.step.step import init_state
+from dropless.train.store.checkpoint import Checkpointer, CheckpointError
+from dropless.train.store.layout import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    CUSTOM_BACKEND,
+    METRICS_FILE,
+    TOKENIZER_FILE,
+)
+
+
+@dataclasses.dataclass
+class LoadedRun:
+    """A run's configs, its model at `step`, and the tokenizer of its data (None: it has none,
+    e.g. a run on the synthetic corpus); `tokenizer_source` says where that came from."""
+
+    run_dir: str
+    model_config: DeepSeekV3Config
+    train_config: TrainConfig
+    model: DeepSeekV3
+    step: int
+    steps: list[int]  # every checkpointed step of the run
+    backend: str  # the MoE backend name the model runs on
+    tokenizer: AbstractTokenizer | None
+    tokenizer_source: str | None  # the tokenizer.json read, or None
+
+    @property
+    def metrics_path(self) -> str:
+        return os.path.join(self.run_dir, METRICS_FILE)
+
+
+def read_run_config(run_dir: str | os.PathLike) -> tuple[DeepSeekV3Config, TrainConfig, str]:
+    """(model config, train config, backend name) from `run_dir/config.yaml`; a ValueError
+    when `run_dir` is not a run directory or the file is not one that `train` writes."""
+    run_dir = os.path.abspath(run_dir)
+    path = os.path.join(run_dir, CONFIG_FILE)
+    if not os.path.isdir(run_dir):
+        raise ValueError(f"{run_dir} is not a run directory: it does not exist")
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{run_dir} is not a run directory: no {CONFIG_FILE} (what `dropless train` writes "
+            "into its --out-dir)"
+        )
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise ValueError(f"{path}: expected the sections model and train of a run's config")
+    model_config = _build(DeepSeekV3Config, data["model"], f"{path}: model")
+    train_config = _build(TrainConfig, data.get("train") or {}, f"{path}: train")
+    return model_config, train_config, str(data.get("backend", "auto"))
+
+
+def _build(cls, values: dict, where: str):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def data_dir(train_config: TrainConfig) -> Path | None:
+    """The prepared data directory a run read (None for the synthetic corpus): `data` itself
+    when it is a directory, else the directory of its token file."""
+    if train_config.data == "synthetic":
+        return None
+    path = Path(train_config.data)
+    return path if path.is_dir() else path.parent
+
+
+def run_tokenizer(train_config: TrainConfig) -> tuple[AbstractTokenizer | None, str | None]:
+    """(tokenizer, the tokenizer.json it came from) of a run's data, or (None, None) when its
+    data has no tokenizer.json beside it (the synthetic corpus, a bare token file)."""
+    folder = data_dir(train_config)
+    if folder is None or not (folder / TOKENIZER_FILE).is_file():
+        return None, None
+    file = folder / TOKENIZER_FILE
+    return load_tokenizer(file), str(file.resolve())
+
+
+def _local_backend(name: str) -> str:
+    """The backend to load with: the run's, where it runs without a device mesh."""
+    if name == CUSTOM_BACKEND:
+        return "auto"
+    try:
+        return "auto" if get_backend(name).expert_parallel else name
+    except (ValueError, KeyError):
+        return "auto"
+
+
+def load_run(
+    run_dir: str | os.PathLike, step: int | None = None, *, backend: str | Backend | None = None
+) -> LoadedRun:
+    """The run in `run_dir` with its model at checkpoint `step` (default: the latest).
+
+    `backend`: the MoE backend to run the model on (default: the run's own; "auto" where that
+    was a custom value or needs a device mesh). The model is on the default device, unsharded.
+    Raises ValueError when `run_dir` is not a run directory and CheckpointError when it has no
+    checkpoint, `step` is not one of its checkpoints (the message lists those that are), or the
+    checkpoint does not fit the config.
+    """
+    run_dir = os.path.abspath(run_dir)
+    model_config, train_config, saved_backend = read_run_config(run_dir)
+    directory = os.path.join(run_dir, CHECKPOINT_DIR)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"no checkpoint in {run_dir}: {CHECKPOINT_DIR}/ does not exist")
+    name = _local_backend(saved_backend) if backend is None else backend
+    checkpointer = Checkpointer(directory)
+    try:
+        steps = checkpointer.steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {directory}")
+        if step is not None and step not in steps:
+            raise CheckpointError(
+                f"no checkpoint for step {step} in {run_dir}; available steps: "
+                f"{', '.join(map(str, steps))}"
+            )
+        moe_backend = get_backend(name)
+        train_config = dataclasses.replace(train_config, mesh=None, resume=False)
+
+        def fresh():
+            model = DeepSeekV3(model_config, backend=moe_backend, key=jax.random.key(0))
+            return init_state(model, train_config)
+
+        state, _ = checkpointer.restore(eqx.filter_eval_shape(fresh), step)
+    finally:
+        checkpointer.close()
+    tokenizer, source = run_tokenizer(train_config)
+    return LoadedRun(
+        run_dir=run_dir,
+        model_config=model_config,
+        train_config=train_config,
+        model=state.model,
+        step=int(state.step),
+        steps=steps,
+        backend=name if isinstance(name, str) else CUSTOM_BACKEND,
+        tokenizer=tokenizer,
+        tokenizer_source=source,
+    )

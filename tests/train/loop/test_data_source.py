@@ -1,0 +1,97 @@
+"""`TrainConfig.data`: the synthetic corpus, a prepared directory (the default stdlib corpus is
+one), a flat token file; the tokenizer's vocabulary against the model's; what a run records."""
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from dropless.data import prepare
+from dropless.data.datasets import SyntheticCorpus, TokenFile
+from dropless.models.deepseek_v3 import get_preset
+from dropless.train import TrainConfig, train
+from dropless.train.loop.data_source import check_vocab, fit_vocab, open_data
+
+TINY = get_preset("tiny")
+TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n"
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("text")
+    for i in range(40):
+        (folder / f"f{i:02d}.py").write_text(TEXT * (3 + i % 5) + f"# file {i}\n")
+    out = tmp_path_factory.mktemp("prepared") / "data"
+    prepare([folder], out, eval_fraction=0.2, progress=False)
+    return out
+
+
+def test_synthetic(tmp_path):
+    data = open_data(TrainConfig(data="synthetic", n_languages=2), 64)
+    assert isinstance(data.train, SyntheticCorpus) and data.train.vocab_size == 64
+    assert data.tokenizer is None and data.vocab_size is None
+    assert data.record == {"source": "synthetic", "n_languages": 2, "corpus_seed": 0}
+
+
+def test_prepared_directory(prepared):
+    meta = json.loads((prepared / "meta.json").read_text())
+    data = open_data(TrainConfig(data=str(prepared)), 512)
+    assert isinstance(data.train, TokenFile) and data.train.dtype == meta["dtype"]
+    assert data.train.path.endswith("train.bin") and data.eval.path.endswith("eval.bin")
+    assert data.vocab_size == 258  # the byte tokenizer
+    assert data.record["meta_sha256"] == meta["sha256"]["all"]
+    assert data.record["source"] == "prepared" and data.record["path"] == str(prepared)
+
+
+def test_flat_token_file(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint32).tofile(path)
+    data = open_data(TrainConfig(data=str(path), data_dtype="uint32"), 2000)
+    assert data.tokenizer is None and data.train.stop == 950 and data.eval.start == 950
+    assert data.record == {
+        "source": "token-file",
+        "path": str(path),
+        "dtype": "uint32",
+        "eval_fraction": 0.05,
+    }
+
+
+def test_bad_data_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="lacks train.bin, eval.bin, tokenizer.json"):
+        open_data(TrainConfig(data=str(tmp_path)), 512)
+    with pytest.raises(FileNotFoundError, match="dropless prepare"):
+        open_data(TrainConfig(data=str(tmp_path)), 512)
+    with pytest.raises(FileNotFoundError, match="neither 'stdlib', 'synthetic'"):
+        open_data(TrainConfig(data=str(tmp_path / "nothing")), 512)
+
+
+def test_the_tokenizer_sets_the_vocabulary_unless_given(prepared):
+    data = open_data(TrainConfig(data=str(prepared)), 512)
+    assert fit_vocab(TINY, data, given=False).vocab_size == 258
+    assert fit_vocab(TINY, data, given=True).vocab_size == 512  # larger: kept
+    small = TINY.replace(vocab_size=200)
+    for call in (lambda: fit_vocab(small, data, given=True), lambda: check_vocab(small, data)):
+        with pytest.raises(ValueError, match=r"vocab_size = 200\) is smaller than .* \(258\)"):
+            call()
+    synthetic = open_data(TrainConfig(data="synthetic"), 512)
+    assert fit_vocab(small, synthetic, given=False) == small  # no tokenizer: as it is
+
+
+@pytest.mark.slow  # compiles a step of its own (vocabulary 258)
+def test_training_on_a_prepared_directory_records_it(prepared, tmp_path, train_config):
+    config = train_config(data=str(prepared))
+    # a dense and an MoE layer, no MTP block: the run records its data whatever the model
+    model = TINY.replace(vocab_size=258, num_hidden_layers=2, num_nextn_predict_layers=0)
+    results = train(model, config, backend="jnp", out_dir=str(tmp_path))
+    assert all(r["tokens_per_s"] > 0 and "mfu" in r for r in results.records)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    meta = json.loads((prepared / "meta.json").read_text())
+    assert summary["data"]["meta_sha256"] == meta["sha256"]["all"]
+    assert summary["tokens_per_s"] > 0 and "mfu" in summary
+    written = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert written["data"] == summary["data"]
+
+    with pytest.raises(ValueError, match="is smaller than the tokenizer's"):
+        train(TINY.replace(vocab_size=200), config, out_dir=str(tmp_path / "small"))
+    assert not (tmp_path / "small").exists()

@@ -1,0 +1,231 @@
+"""The train step on a mesh (`dropless.train.step.sharded`) against the unsharded one: its gradient,
+`sharded_value_and_grad`, under an optimizer on an MoE layer and on the tiny DeepSeek-V3 (every
+kind of mesh axis at once), and `sharded_train_step` itself against `train_step` (8 emulated
+CPU devices, from tests/conftest.py). The whole loop on a mesh: tests/train/loop/test_mesh.py."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dropless import sharding
+from dropless.backends import get_backend, with_backend
+from dropless.backends.ep import ep_backend
+from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
+from dropless.moe import MoE
+from dropless.precision import apply_updates
+from dropless.routing import RoutingSpec
+from dropless.train.config import TrainConfig
+from dropless.train.step.sharded import (
+    prepare_model,
+    shard_state,
+    sharded_train_step,
+    sharded_value_and_grad,
+)
+from dropless.train.step.step import init_state, train_step
+
+pytestmark = pytest.mark.mesh8  # meshes over the 8 devices (tests/conftest.py)
+
+# float32, same math in a different layout and summation order (fixed, never loosened)
+RTOL, ATOL = 1e-5, 1e-5
+
+E, K, DIM, HIDDEN = 16, 2, 8, 32
+
+
+def make_moe(seed: int = 0) -> MoE:
+    spec = RoutingSpec(E, K, use_expert_bias=True, scoring_func="sigmoid")
+    return MoE(DIM, HIDDEN, spec, n_shared_experts=1, key=jax.random.key(seed))
+
+
+def ep(model):
+    return with_backend(model, get_backend("ep"))
+
+
+def make_step(loss_fn, optimizer, mesh, *, has_aux=False, diff_filter=eqx.is_inexact_array, **kw):
+    """`(init, step)`: `sharded_value_and_grad` then `optimizer` on the arrays `diff_filter`
+    selects, as `sharded_train_step` composes them."""
+    value_and_grad = sharded_value_and_grad(
+        loss_fn, mesh, has_aux=has_aux, diff_filter=diff_filter, **kw
+    )
+
+    def init(model):
+        sharding.check_expert_parallel(model, mesh)
+        model = sharding.shard_model(model, mesh, **kw)
+        return model, optimizer.init(eqx.filter(model, diff_filter))
+
+    @eqx.filter_jit
+    def step(model, opt_state, batch):
+        out, grads = value_and_grad(model, batch)
+        loss, aux = out if has_aux else (out, None)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, diff_filter))
+        return apply_updates(model, updates), opt_state, loss, aux
+
+    return init, step
+
+
+def moe_loss(model, batch):
+    y, stats = model(batch["x"], seq_len=4)
+    loss = jnp.mean((y - batch["y"]) ** 2) + 1e-2 * stats.z_loss + 1e-2 * stats.seq_balance_loss
+    return loss, stats.tokens_per_expert
+
+
+@eqx.filter_jit
+def unsharded_step(model, opt_state, batch, optimizer, diff_filter):
+    params, rest = eqx.partition(model, diff_filter)
+    (loss, aux), grads = eqx.filter_value_and_grad(
+        lambda p: moe_loss(eqx.combine(p, rest), batch), has_aux=True
+    )(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return eqx.apply_updates(model, updates), opt_state, loss, aux
+
+
+def test_sharded_gradient_step_equals_unsharded():
+    """Three SGD-with-momentum steps on every kind of axis at once (data, fsdp and expert),
+    with the expert bias kept out of the optimizer by a tree of bools."""
+    mesh = sharding.make_mesh(data=2, fsdp=2, expert=2)
+    optimizer = optax.sgd(0.1, momentum=0.9)
+    moe = make_moe()
+
+    def no_bias(model):  # a tree of bools, like dropless.train.step.optim.trainable_filter's
+        keep = jax.tree.map(eqx.is_inexact_array, model)
+        return eqx.tree_at(lambda m: m.router.expert_bias, keep, False)
+
+    key = jax.random.key(4)
+    batches = []
+    for _ in range(3):
+        key, kx = jax.random.split(key)
+        x = jax.random.normal(kx, (64, DIM))
+        batches.append({"x": x, "y": jnp.tanh(x[:, ::-1])})
+
+    ep_moe = ep(moe)
+    init, step = make_step(
+        moe_loss, optimizer, mesh, has_aux=True, diff_filter=no_bias(ep_moe), fsdp_min_size=256
+    )
+    model, opt_state = init(ep_moe)
+    ref_model, ref_opt = moe, optimizer.init(eqx.filter(moe, no_bias(moe)))
+    for batch in batches:
+        model, opt_state, loss, counts = step(model, opt_state, sharding.shard_batch(batch, mesh))
+        ref_model, ref_opt, ref_loss, ref_counts = unsharded_step(
+            ref_model, ref_opt, batch, optimizer, no_bias(moe)
+        )
+        np.testing.assert_allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)
+        # aux is averaged over the 8 shards
+        np.testing.assert_allclose(counts * 8, ref_counts, rtol=RTOL, atol=ATOL)
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(model, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(ref_model, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+    assert model.experts.w_gate.sharding.spec == P("expert", None, "fsdp")
+    assert not jnp.array_equal(model.router.w_router, moe.router.w_router)  # it trained
+    assert jnp.array_equal(model.router.expert_bias, moe.router.expert_bias)  # not trained
+
+
+def test_sharded_gradient_refuses_a_single_device_dispatcher():
+    mesh = sharding.make_mesh(data=2, expert=4)
+    value_and_grad = sharded_value_and_grad(moe_loss, mesh, has_aux=True)
+    batch = {"x": jnp.zeros((8, DIM)), "y": jnp.zeros((8, DIM))}
+    with pytest.raises(ValueError, match="with_backend"):
+        value_and_grad(make_moe(), batch)
+
+
+def test_sharded_step_keeps_parameter_dtypes():
+    mesh = sharding.make_mesh(data=2, expert=4)
+    moe = jax.tree.map(
+        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, ep(make_moe())
+    )
+    to_f32 = optax.stateless(lambda u, _: jax.tree.map(lambda x: x.astype(jnp.float32), u))
+    init, step = make_step(moe_loss, optax.chain(optax.sgd(0.1), to_f32), mesh, has_aux=True)
+    model, opt_state = init(moe)
+    key = jax.random.key(5)
+    x = jax.random.normal(key, (64, DIM), jnp.bfloat16)
+    model, *_ = step(model, opt_state, sharding.shard_batch({"x": x, "y": jnp.tanh(x)}, mesh))
+    dtypes = [a.dtype for a in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+    assert set(dtypes) == {jnp.dtype(jnp.bfloat16)}  # float32 updates, bf16 parameters
+    assert not jnp.array_equal(model.router.w_router, moe.router.w_router)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("unroll", [False, True], ids=["scan", "unrolled"])
+def test_deepseek_v3_tiny_sharded_gradient_step_equals_unsharded(unroll):
+    # Unrolled: two MoE layers, so that their stacks are split and their gradients written
+    # back slice by slice. The reference runs the same split, so this checks the sharded
+    # layout (on a CPU the gradient buffer starts as zeros, not uninitialised).
+    n_layers = 3 if unroll else 2
+    config = get_preset(
+        "tiny", num_hidden_layers=n_layers, num_nextn_predict_layers=0, unroll_layers=unroll
+    )
+    model = DeepSeekV3(config, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (8, 9), 0, config.vocab_size)
+
+    def loss_fn(m, batch):
+        out = m(batch[:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, batch[:, 1:]).mean()
+        return ce + 1e-2 * out.moe_stats.seq_balance_loss.sum()
+
+    optimizer = optax.sgd(0.5)
+    mesh = sharding.make_mesh(data=2, fsdp=2, expert=2)
+    init, step = make_step(loss_fn, optimizer, mesh, fsdp_min_size=1024)
+    sharded, opt_state = init(ep(model))
+
+    @eqx.filter_jit
+    def ref_step(m, o, b):
+        loss, g = eqx.filter_value_and_grad(loss_fn)(m, b)
+        u, o = optimizer.update(g, o, eqx.filter(m, eqx.is_inexact_array))
+        return eqx.apply_updates(m, u), o, loss
+
+    ref, ref_opt = model, optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    for _ in range(2):
+        sharded, opt_state, loss, _ = step(sharded, opt_state, sharding.shard_batch(tokens, mesh))
+        ref, ref_opt, ref_loss = ref_step(ref, ref_opt, tokens)
+        np.testing.assert_allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(sharded, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(ref, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.slow
+def test_sharded_train_step_equals_train_step():
+    """`sharded_train_step` (AdamW, expert-bias update, every kind of mesh axis) against
+    `train_step` on one device: the same metrics, and the arrays stay placed on the mesh."""
+    config = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
+    train_config = TrainConfig(steps=2, batch_size=8, seq_len=8, warmup_steps=0)
+    mesh = sharding.make_mesh(data=2, fsdp=2, expert=2)
+    model = prepare_model(DeepSeekV3(config, key=jax.random.key(0)), mesh)
+    state = shard_state(init_state(model, train_config), mesh)
+    # its own arrays: both steps donate their state
+    ref = init_state(DeepSeekV3(config, key=jax.random.key(0)), train_config)
+    for step in range(2):
+        tokens = jax.random.randint(jax.random.key(step), (8, 9), 0, config.vocab_size)
+        state, metrics = sharded_train_step(mesh, state, sharding.shard_batch(tokens, mesh))
+        ref, ref_metrics = train_step(ref, tokens)
+        for name in ("loss", "ce", "seq_balance_loss", "max_vio"):
+            np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, atol=ATOL)
+    np.testing.assert_array_equal(state.expert_load, ref.expert_load)
+    experts = eqx.filter(state.model.moe_layers.mlp.experts, eqx.is_array)
+    assert all("expert" in str(a.sharding.spec) for a in jax.tree.leaves(experts))
+
+
+def test_prepare_model_keeps_an_expert_parallel_backend_and_replaces_others():
+    """On an expert axis > 1 a single-device dispatcher gives way to the "ep" backend, while an
+    expert-parallel one, with its own settings, stays as given."""
+    config = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
+    mesh = sharding.make_mesh(data=4, expert=2)
+
+    def dispatcher(model):
+        return model.moe_layers.mlp.dispatcher
+
+    own = DeepSeekV3(config, backend=ep_backend(recv_factor=3.0), key=jax.random.key(0))
+    assert dispatcher(prepare_model(own, mesh)) == dispatcher(own)
+    plain = prepare_model(DeepSeekV3(config, key=jax.random.key(0)), mesh)
+    assert dispatcher(plain) == ep_backend().dispatcher
+    # expert=1: nothing to exchange, the model's own backend stays
+    single = DeepSeekV3(config, key=jax.random.key(0))
+    assert dispatcher(prepare_model(single, sharding.make_mesh(data=8))) == dispatcher(single)
