@@ -39,6 +39,9 @@ def test_check_counts_a_round_without_its_final_checkpoint(tmp_path):
     figures = fault_injection.check(str(tmp_path), {1: 1.0, 2: 1.0, 3: 1.0}, steps=3)
     assert figures == {"lost": 0, "duplicated": 0, "mismatches": 0, "missing_final_checkpoint": 1}
     (tmp_path / "checkpoints" / "3").mkdir()
-    assert fault_injection.check(str(tmp_path), {1: 1.0, 2: 1.0, 3: 1.0}, steps=3)[
-        "missing_final_checkpoint"
-    ] == 0
+    assert (
+        fault_injection.check(str(tmp_path), {1: 1.0, 2: 1.0, 3: 1.0}, steps=3)[
+            "missing_final_checkpoint"
+        ]
+        == 0
+    )
