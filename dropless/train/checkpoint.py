@@ -55,6 +55,10 @@ class Checkpointer:
         """Steps that have a checkpoint, oldest first."""
         return sorted(self._manager.all_steps())
 
+    def reload(self) -> None:
+        """Reads the directory again: what another process saved or removed since."""
+        self._manager.reload()
+
     def latest_step(self) -> int | None:
         """The newest checkpointed step, or None."""
         return self._manager.latest_step()
