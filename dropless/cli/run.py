@@ -16,6 +16,7 @@ from dropless.train.loop import TrainingDiverged, TrainingPreempted, train
 from dropless.train.metrics import EvalLines, ProgressBar
 from dropless.train.run_lock import RunDirectoryLocked
 from dropless.train.sample import eval_prompt, sample
+from dropless.train.setup import CHECKPOINT_DIR
 
 SAMPLE_PROMPT_TOKENS = 24
 SAMPLE_NEW_TOKENS = 160
@@ -109,6 +110,22 @@ def _print_sample(results, data: DataSource) -> None:
     print(f"[{out.prompt}]{out.text}")
 
 
+def what_is_saved(out_dir: str) -> str:
+    """A true statement of what an interrupted run left in `out_dir`, and what to run next."""
+    directory = os.path.join(out_dir, CHECKPOINT_DIR)
+    steps = sorted(
+        int(name)
+        for name in (os.listdir(directory) if os.path.isdir(directory) else [])
+        if name.isdigit()
+    )
+    if not steps:
+        return "no checkpoint was saved, so there is nothing to resume: start the run again"
+    return (
+        f"the newest checkpoint is step {steps[-1]}; continue with: dropless train --out-dir "
+        f"{out_dir} --resume"
+    )
+
+
 def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
     """Runs `dropless train`. Unless `vocab_given`, the data's tokenizer sets the model's
     vocabulary size."""
@@ -148,11 +165,8 @@ def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
     except KeyboardInterrupt:
         if bar:
             bar.close()
-        print(
-            f"dropless: interrupted; continue with: dropless train --out-dir {out_dir} --resume",
-            file=sys.stderr,
-        )
-        return 130
+        print(f"dropless: interrupted; {what_is_saved(out_dir)}", file=sys.stderr)
+        return 128 + signal.SIGINT
     except TrainingPreempted as err:
         if bar:
             bar.close()
@@ -160,7 +174,7 @@ def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
             f"dropless: {err}; continue with: dropless train --out-dir {out_dir} --resume",
             file=sys.stderr,
         )
-        return 128 + signal.SIGTERM
+        return 128 + getattr(signal, err.signal_name, signal.SIGTERM)
     print(_describe(results, time.perf_counter() - began), flush=True)
     # a mesh run's model routes through its expert-parallel layers, which decode only inside
     # the mesh's shard_map: no sample there
