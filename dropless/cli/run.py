@@ -8,6 +8,7 @@ import time
 
 from dropless.backends import resolve_backend_name
 from dropless.cli.options import TrainCommand
+from dropless.files import disk_error, is_disk_error
 from dropless.models.deepseek_v3 import PRESETS, count_params, get_preset
 from dropless.train.checkpoint import CheckpointError
 from dropless.train.compile_cache import enable_compile_cache
@@ -110,6 +111,17 @@ def _print_sample(results, data: DataSource) -> None:
     print(f"[{out.prompt}]{out.text}")
 
 
+def disk_line(err: OSError, out_dir: str) -> str:
+    """One line for a write that a full or read-only disk refused (`dropless.files`)."""
+    if (
+        err.filename is None
+        and err.strerror
+        and str(err.strerror).startswith(("no space", "cannot write"))
+    ):
+        return err.strerror  # already the line (`MetricsWriter.write`)
+    return disk_error(err, err.filename or out_dir)
+
+
 def what_is_saved(out_dir: str) -> str:
     """A true statement of what an interrupted run left in `out_dir`, and what to run next."""
     directory = os.path.join(out_dir, CHECKPOINT_DIR)
@@ -161,6 +173,13 @@ def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
         if bar:
             bar.close()
         print(f"dropless: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        if not is_disk_error(err):
+            raise
+        if bar:
+            bar.close()
+        print(f"dropless: error: {disk_line(err, out_dir)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         if bar:
