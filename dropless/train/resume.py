@@ -22,7 +22,8 @@ _EXPECTED_CHANGES = ("steps", "resume", "resume_step", "allow_data_change")
 
 def model_changes(saved: dict, fresh: TrainState) -> list[str]:
     """'field: saved -> now' for each model setting free on resume (`FREE_ON_RESUME`) that
-    differs from the checkpoint's: allowed, but the steps compute differently from then on."""
+    differs from the checkpoint's: allowed (no array changes), but said, since some (the compute
+    dtype) change the numbers."""
     current = json.loads(json.dumps(dataclasses.asdict(fresh.model.config)))
     return [
         f"{k}: {saved[k]!r} -> {current[k]!r}"
@@ -129,8 +130,7 @@ def restore_intact(
     changed = model_changes(saved.get("model") or {}, fresh)
     if changed:
         warnings.warn(
-            f"resuming with model settings that differ from the checkpoint's ({', '.join(changed)}"
-            "): the steps from here compute differently from the run's so far",
+            "resuming with model settings that differ from the checkpoint's: " + ", ".join(changed),
             stacklevel=2,
         )
     moved = checkpointer.set_aside(step)
