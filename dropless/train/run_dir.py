@@ -132,19 +132,21 @@ def _restore_newest(checkpointer: Checkpointer, like, step: int | None):
     if step is not None:
         return checkpointer.restore(like, step)[0]
     tried: set[int] = set()
+    last = ""
     while True:
         checkpointer.reload()
         steps = [s for s in checkpointer.steps() if s not in tried]
         if not steps:
             raise CheckpointError(
                 f"no intact checkpoint in {checkpointer.directory}"
-                + (f" (tried steps {sorted(tried)})" if tried else "")
+                + (f" (tried steps {sorted(tried)}; the last: {last})" if tried else "")
             )
         newest = steps[-1]
         try:
             return checkpointer.restore(like, newest)[0]
         except (CheckpointError, OSError) as err:
             tried.add(newest)
+            last = str(err)
             checkpointer.reload()
             if newest not in checkpointer.steps():
                 warnings.warn(
