@@ -112,10 +112,13 @@ def check(out_dir: str, reference: dict[int, float], steps: int) -> dict:
         r for r in read_records(os.path.join(out_dir, "metrics.jsonl")) if r.get("split") == "train"
     ]
     seen = [r["step"] for r in train]
+    directory = os.path.join(out_dir, "checkpoints")
+    saved = os.listdir(directory) if os.path.isdir(directory) else []
     return {
         "lost": len(set(range(1, steps + 1)) - set(seen)),
         "duplicated": len(seen) - len(set(seen)),
         "mismatches": sum(r["loss"] != reference.get(r["step"]) for r in train),
+        "missing_final_checkpoint": int(str(steps) not in saved),
     }
 
 
@@ -147,7 +150,8 @@ def main(argv=None) -> dict:
     reference = {r["step"]: r["loss"] for r in ref_records if r["split"] == "train"}
 
     totals = {"kills": 0, "resumes": 0, "rounds": 0, "lost": 0, "duplicated": 0, "mismatches": 0,
-              "failed_processes": 0, "kills_by_phase": {"start": 0, "train": 0}}  # fmt: skip
+              "missing_final_checkpoint": 0, "failed_processes": 0,
+              "kills_by_phase": {"start": 0, "train": 0}}  # fmt: skip
     while totals["kills"] < opts.kills:
         out_dir = os.path.join(work, f"round{totals['rounds']}")
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -209,4 +213,5 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     row = main()["rows"][0]
-    sys.exit(1 if row["lost"] or row["duplicated"] or row["mismatches"] else 0)
+    failed = ("lost", "duplicated", "mismatches", "missing_final_checkpoint")
+    sys.exit(1 if any(row[name] for name in failed) else 0)

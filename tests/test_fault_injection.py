@@ -24,3 +24,24 @@ def test_killed_and_resumed_runs_match_an_uninterrupted_one(tmp_path):
     figures = json.loads(out.read_text())["rows"][0]
     assert figures["kills"] == 3 and figures["rounds"] >= 1
     assert figures["lost"] == figures["duplicated"] == figures["mismatches"] == 0
+    assert figures["missing_final_checkpoint"] == 0
+
+
+def test_check_counts_a_round_without_its_final_checkpoint(tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import fault_injection
+    finally:
+        sys.path.pop(0)
+    lines = [json.dumps({"split": "train", "step": s, "loss": 1.0}) for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    figures = fault_injection.check(str(tmp_path), {1: 1.0, 2: 1.0, 3: 1.0}, steps=3)
+    assert figures == {"lost": 0, "duplicated": 0, "mismatches": 0, "missing_final_checkpoint": 1}
+    (tmp_path / "checkpoints" / "3").mkdir()
+    assert (
+        fault_injection.check(str(tmp_path), {1: 1.0, 2: 1.0, 3: 1.0}, steps=3)[
+            "missing_final_checkpoint"
+        ]
+        == 0
+    )

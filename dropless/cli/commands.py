@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from dropless.backends import BackendUnavailableError
-from dropless.cli import evaluate, generate, plan
+from dropless.cli import evaluate, generate, plan, verify
 from dropless.data import cli as prepare
 from dropless.train.store.checkpoint import CheckpointError
 
@@ -34,6 +34,11 @@ COMMANDS: dict[str, Command] = {
         "text from a trained run, or from a Hugging Face checkpoint",
         generate.build_parser,
         generate.run,
+    ),
+    "verify": (
+        "a run's config, checkpoint digests and data identity, checked",
+        verify.build_parser,
+        verify.run,
     ),
 }
 TYRO_COMMANDS = {

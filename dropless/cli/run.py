@@ -8,6 +8,7 @@ import time
 
 from dropless.backends import resolve_backend_name
 from dropless.cli.options import TrainCommand
+from dropless.files import disk_error, is_disk_error
 from dropless.models.deepseek_v3 import PRESETS, count_params, get_preset
 from dropless.train.loop.callbacks import EvalLines, ProgressBar
 from dropless.train.loop.data_source import DataSource, fit_vocab, open_data
@@ -15,6 +16,7 @@ from dropless.train.loop.loop import TrainingDiverged, TrainingPreempted, train
 from dropless.train.loop.sample import eval_prompt, sample
 from dropless.train.store.checkpoint import CheckpointError
 from dropless.train.store.compile_cache import enable_compile_cache
+from dropless.train.store.layout import CHECKPOINT_DIR
 from dropless.train.store.lock import RunDirectoryLocked
 
 SAMPLE_PROMPT_TOKENS = 24
@@ -109,6 +111,33 @@ def _print_sample(results, data: DataSource) -> None:
     print(f"[{out.prompt}]{out.text}")
 
 
+def disk_line(err: OSError, out_dir: str) -> str:
+    """One line for a write that a full or read-only disk refused (`dropless.files`)."""
+    if (
+        err.filename is None
+        and err.strerror
+        and str(err.strerror).startswith(("no space", "cannot write"))
+    ):
+        return err.strerror  # already the line (`MetricsWriter.write`)
+    return disk_error(err, err.filename or out_dir)
+
+
+def what_is_saved(out_dir: str) -> str:
+    """A true statement of what an interrupted run left in `out_dir`, and what to run next."""
+    directory = os.path.join(out_dir, CHECKPOINT_DIR)
+    steps = sorted(
+        int(name)
+        for name in (os.listdir(directory) if os.path.isdir(directory) else [])
+        if name.isdigit()
+    )
+    if not steps:
+        return "no checkpoint was saved, so there is nothing to resume: start the run again"
+    return (
+        f"the newest checkpoint is step {steps[-1]}; continue with: dropless train --out-dir "
+        f"{out_dir} --resume"
+    )
+
+
 def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
     """Runs `dropless train`. Unless `vocab_given`, the data's tokenizer sets the model's
     vocabulary size."""
@@ -145,14 +174,18 @@ def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
             bar.close()
         print(f"dropless: error: {err}", file=sys.stderr)
         return 1
+    except OSError as err:
+        if not is_disk_error(err):
+            raise
+        if bar:
+            bar.close()
+        print(f"dropless: error: {disk_line(err, out_dir)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         if bar:
             bar.close()
-        print(
-            f"dropless: interrupted; continue with: dropless train --out-dir {out_dir} --resume",
-            file=sys.stderr,
-        )
-        return 130
+        print(f"dropless: interrupted; {what_is_saved(out_dir)}", file=sys.stderr)
+        return 128 + signal.SIGINT
     except TrainingPreempted as err:
         if bar:
             bar.close()
@@ -160,7 +193,7 @@ def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
             f"dropless: {err}; continue with: dropless train --out-dir {out_dir} --resume",
             file=sys.stderr,
         )
-        return 128 + signal.SIGTERM
+        return 128 + getattr(signal, err.signal_name, signal.SIGTERM)
     print(_describe(results, time.perf_counter() - began), flush=True)
     # a mesh run's model routes through its expert-parallel layers, which decode only inside
     # the mesh's shard_map: no sample there

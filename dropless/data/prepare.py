@@ -6,16 +6,21 @@
 
 Documents stream from the inputs to the files (never the whole corpus in memory), each followed by
 the tokenizer's eos token. The same inputs and arguments give the same bytes. Everything is written
-in a temporary directory beside `out_dir` and renamed into place at the end, so an error leaves
-nothing under `out_dir`.
+in a temporary directory beside `out_dir` and renamed into place at the end (with the user's
+umask), so an error leaves nothing under `out_dir`; what a killed `prepare` leaves beside it, a
+later one removes (`clean_leftovers`).
 """
 
+import errno
+import fcntl
+import glob
 import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -37,6 +42,7 @@ from dropless.data.tokenizer import (
     token_dtype,
     train_bpe,
 )
+from dropless.files import disk_error, is_disk_error
 
 FORMAT = "dropless-prepared/1"
 DEFAULT_BPE_VOCAB = 8192
@@ -107,7 +113,9 @@ def prepare_documents(
     _check_out(out, overwrite)
     tok, tok_meta = _resolve(tokenizer, vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    lock = _hold(tmp)
     try:
         if tok is None:  # BPE: a first pass to train it on the train split
             texts = (d.text for d in _bar(documents(), total_bytes, "train bpe", progress))
@@ -121,7 +129,14 @@ def prepare_documents(
             )
         dtype = token_dtype(tok.vocab_size)
         docs = _bar(documents(), total_bytes, "encode", progress)
-        counts, per_source, moved = _write_bins(docs, tmp, tok, dtype, eval_fraction, seed)
+        try:
+            counts, per_source, moved = _write_bins(docs, tmp, tok, dtype, eval_fraction, seed)
+        except OSError as err:
+            # numpy's short write says "N requested and M written", never "no space"
+            if not (is_disk_error(err) or "requested and" in str(err)):
+                raise
+            needed = None if total_bytes is None else total_bytes * np.dtype(dtype).itemsize
+            raise OSError(err.errno or errno.ENOSPC, disk_error(err, out.parent, needed)) from None
         if counts["train"]["documents"] + counts["eval"]["documents"] == 0:
             paths = ", ".join(s["path"] for s in sources)
             raise ValueError(f"no documents found in the inputs ({paths}): all texts are empty")
@@ -148,11 +163,58 @@ def prepare_documents(
             "sha256": _hashes(tmp),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+        (tmp / LOCK_NAME).unlink()  # held still, through the open file, until published
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the data from others
         _publish(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        lock.close()
     return meta
+
+
+LOCK_NAME = ".preparing"
+STALE_S = 3600  # a leftover without a lock file, older than this, is a killed prepare's
+
+
+def _hold(tmp: Path):
+    """A lock on `tmp`, held while this process prepares into it: a later `prepare` removes
+    the folders whose lock no process holds (`clean_leftovers`)."""
+    f = open(tmp / LOCK_NAME, "w")  # noqa: SIM115 (closed by prepare_documents)
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return f
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def clean_leftovers(out: Path) -> list[Path]:
+    """Removes what killed `prepare` runs into `out` left beside it: `.NAME.*.tmp` folders
+    that no live process holds, and `.NAME.*.old` folders of a replaced `out` (moved back
+    where `out` is missing: the kill fell between the two renames). Returns what it removed."""
+    removed = []
+    for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.*.tmp")):
+        lock_file = path / LOCK_NAME
+        if lock_file.is_file():
+            with open(lock_file) as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a prepare at work
+        elif time.time() - path.stat().st_mtime < STALE_S:
+            continue  # just created, or about to be published
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.*.old")):
+        if not out.exists() and (path / "data").is_dir():
+            os.rename(path / "data", out)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def _fraction(data: bytes, seed: int) -> float:

@@ -127,6 +127,9 @@ class TrainConfig:
     resume_step: int | None = None
     """With `resume`: the checkpoint step to resume from (None: the newest intact one). The
     checkpoints after it are moved to `<out-dir>/checkpoints-set-aside/`."""
+    allow_data_change: bool = False
+    """With `resume`: continue on data other than the run's (prepared again, or another
+    folder) with the same tokenizer; a different tokenizer or vocabulary is always refused."""
     log_every: int = 1
     """Write a metrics line every this many steps."""
     plots: bool = True

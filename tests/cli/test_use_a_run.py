@@ -55,8 +55,8 @@ def test_help_lists_the_subcommands(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
     listed = [line.split()[0] for line in lines if line.startswith("  ")]
-    assert listed == ["train", "presets", "prepare", "plan", "eval", "generate"]
-    for command in ("prepare", "plan", "eval", "generate"):
+    assert listed == ["train", "presets", "prepare", "plan", "eval", "generate", "verify"]
+    for command in ("prepare", "plan", "eval", "generate", "verify"):
         with pytest.raises(SystemExit) as exit_:
             cli.main([command, "--help"])
         assert exit_.value.code == 0

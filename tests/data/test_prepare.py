@@ -1,4 +1,8 @@
+import fcntl
 import json
+import os
+import stat
+import sys
 
 import numpy as np
 import pytest
@@ -6,6 +10,7 @@ import tokenizers
 
 from dropless.data import ByteTokenizer, HFTokenizer, load_tokenizer, prepare
 from dropless.data.datasets import TokenFile
+from dropless.data.prepare import clean_leftovers
 from dropless.data.tokenizer import EOS
 
 PROSE = "Le cœur a ses raisons que la raison ne connaît point. 😀 <|endoftext|> as text\n"
@@ -211,3 +216,63 @@ def test_parquet(tmp_path):
     pq.write_table(pa.table({"text": ["one", "two", "three"]}), tmp_path / "a.parquet")
     meta = prepare([tmp_path / "a.parquet"], tmp_path / "out", progress=False)
     assert check_counts(tmp_path / "out", meta) == ["one", "three", "two"]
+
+
+# --- what a killed or failed prepare leaves (issue 53 rows 11 and 13) --------------------------
+
+
+def test_leftovers_of_killed_prepares_are_removed(tmp_path):
+    """A SIGKILL leaves `.NAME.XXXX.tmp`; the next prepare into NAME removes the ones no live
+    process holds, and keeps one that is being written."""
+    (tmp_path / "a.txt").write_text(PROSE * 3)
+    out = tmp_path / "data"
+    killed = tmp_path / ".data.k1ll3d.tmp"
+    killed.mkdir()
+    (killed / ".preparing").write_text("")
+    (killed / "train.bin").write_bytes(b"\0" * 1000)
+    working = tmp_path / ".data.w0rk1n.tmp"
+    working.mkdir()
+    held = open(working / ".preparing", "w")  # noqa: SIM115
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        prepare([tmp_path / "a.txt"], out, progress=False)
+        assert not killed.exists() and working.exists()
+    finally:
+        held.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.w0rk1n.tmp", "a.txt", "data"]
+    assert not (out / ".preparing").exists()
+
+
+def test_a_kill_between_the_renames_of_an_overwrite_is_undone(tmp_path):
+    (tmp_path / "a.txt").write_text(PROSE)
+    out = tmp_path / "data"
+    prepare([tmp_path / "a.txt"], out, progress=False)
+    old = tmp_path / ".data.x.old"
+    old.mkdir()
+    out.rename(old / "data")  # what a kill after the first rename leaves
+    assert clean_leftovers(out) == [old]
+    assert (out / "meta.json").is_file() and not old.exists()
+
+
+def test_published_with_the_users_umask(tmp_path):
+    (tmp_path / "a.txt").write_text(PROSE)
+    previous = os.umask(0o022)
+    try:
+        prepare([tmp_path / "a.txt"], tmp_path / "data", progress=False)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "data").stat().st_mode) == 0o755
+
+
+def test_a_full_disk_is_one_line_with_the_space_needed(tmp_path, monkeypatch):
+    """numpy's short write ("N requested and M written") becomes a no-space line naming the
+    folder, the free space and about what the token files need; nothing is left behind."""
+    (tmp_path / "a.txt").write_text(PROSE * 100)
+
+    def full(*args, **kwargs):
+        raise OSError("1028882 requested and 1012088 written")
+
+    monkeypatch.setattr(sys.modules["dropless.data.prepare"], "_write_bins", full)
+    with pytest.raises(OSError, match=r"no space left on the device of .* free, about .* needed"):
+        prepare([tmp_path / "a.txt"], tmp_path / "data", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]

@@ -815,6 +815,69 @@ def test_bad_input_is_a_clear_error(saved, tmp_path, kind):
         from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["/abs/secret.txt", "../other/model.safetensors", "a/b", ".."])
+def test_an_index_naming_a_file_outside_its_folder_is_refused(saved, tmp_path, name):
+    """Issue 53 row 8: the outside file is never opened, and no error quotes a file's bytes."""
+    _, _, path = saved
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(path, ckpt)
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"hunter2!" * 4)
+    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00001.safetensors")
+    outside = str(secret) if name.startswith("/abs") else name
+    weight_map = dict.fromkeys(read_all(path), "model-00001-of-00001.safetensors")
+    weight_map["model.norm.weight"] = outside
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    opened = []
+    real_open = open
+
+    def spy(file, *args, **kwargs):
+        opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    import builtins
+
+    builtins.open = spy
+    try:
+        with pytest.raises(CheckpointError, match="not a plain name"):
+            from_pretrained(ckpt)
+    finally:
+        builtins.open = real_open
+    assert not any("secret" in f or "other" in f for f in opened)
+
+
+def test_a_file_that_is_no_safetensors_file_is_not_quoted(tmp_path):
+    (tmp_path / "secret.bin").write_bytes(b"hunter2!" + b"x" * 8)
+    from dropless.models.deepseek_v3.hf.files import SafetensorsFile
+
+    with pytest.raises(CheckpointError) as info:
+        SafetensorsFile(tmp_path / "secret.bin")
+    leaked = str(int.from_bytes(b"hunter2!", "little"))
+    assert leaked not in str(info.value) and "hunter2" not in str(info.value)
+    (tmp_path / "secret.bin").write_bytes((4).to_bytes(8, "little") + b"\xffpw!")
+    with pytest.raises(CheckpointError) as info:
+        SafetensorsFile(tmp_path / "secret.bin")
+    assert "0xff" not in str(info.value) and "pw" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"n_routed_experts": 10**8}, {"n_routed_experts": 10**6}, {"num_hidden_layers": 200_000}],
+)
+def test_a_huge_config_is_refused_before_any_table_is_built(saved, tmp_path, changes):
+    """Issue 53 row 10: in milliseconds, naming the fields."""
+    import time
+
+    _, _, path = saved
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, **changes}))
+    began = time.perf_counter()
+    with pytest.raises(CheckpointError, match=f"{next(iter(changes))} .*call for at least"):
+        from_pretrained(tmp_path)
+    assert time.perf_counter() - began < 2.0
+
+
 def test_missing_directory():
     with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
         from_pretrained("/nonexistent/checkpoint")

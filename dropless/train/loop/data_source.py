@@ -13,11 +13,11 @@ The tokenizer's vocabulary size is what the model needs at least (`check_vocab`)
 """
 
 import dataclasses
-import json
 import os
 
 from dropless.data import AbstractTokenizer, default_corpus_dir, load_tokenizer
 from dropless.data.datasets import AbstractDataset, SyntheticCorpus, TokenFile, token_file_splits
+from dropless.data.verify import check_ids, read_meta, sha256_file, split_file, verify_prepared
 from dropless.models.deepseek_v3 import DeepSeekV3Config
 from dropless.train.config import TrainConfig
 
@@ -74,6 +74,8 @@ def open_data(train_config: TrainConfig, vocab_size: int, *, progress: bool = Fa
         eval_path=train_config.eval_data,
         eval_fraction=train_config.eval_fraction,
     )
+    for path in {train.path, held_out.path}:
+        check_ids(path, train.dtype, vocab_size, "the model's")
     record = {"source": "token-file", "path": os.path.abspath(data), "dtype": train.dtype}
     if train_config.eval_data is None:
         record["eval_fraction"] = train_config.eval_fraction
@@ -88,17 +90,20 @@ def _prepared(directory: str, source: str) -> DataSource:
         raise FileNotFoundError(
             f"TrainConfig.data: directory {directory} lacks {', '.join(missing)}; {_HOW_TO_PREPARE}"
         )
-    with open(os.path.join(directory, "meta.json")) as f:
-        meta = json.load(f)
+    meta = read_meta(directory)
     dtype = meta.get("dtype")
     if dtype not in ("uint16", "uint32"):
         raise ValueError(
             f"TrainConfig.data: {directory}/meta.json has dtype {dtype!r}, not 'uint16' or "
             "'uint32'; prepare the directory again"
         )
+    verify_prepared(directory, meta)
     tokenizer = load_tokenizer(directory)
-    train = TokenFile(os.path.join(directory, "train.bin"), dtype)
-    held_out = TokenFile(os.path.join(directory, "eval.bin"), dtype)
+    files = {split: str(split_file(directory, meta, split)) for split in ("train", "eval")}
+    for path in files.values():
+        check_ids(path, dtype, tokenizer.vocab_size, "the tokenizer's")
+    train = TokenFile(files["train"], dtype)
+    held_out = TokenFile(files["eval"], dtype)
     record = {
         "source": source,
         "path": os.path.abspath(directory),
@@ -106,6 +111,7 @@ def _prepared(directory: str, source: str) -> DataSource:
         "format": meta.get("format"),
         "dtype": dtype,
         "tokenizer": (meta.get("tokenizer") or {}).get("kind"),
+        "tokenizer_sha256": sha256_file(os.path.join(directory, "tokenizer.json")),
         "vocab_size": tokenizer.vocab_size,
         "train_tokens": (meta.get("train") or {}).get("tokens"),
         "eval_tokens": (meta.get("eval") or {}).get("tokens"),

@@ -12,6 +12,7 @@ It writes into `out_dir`: `config.yaml` (what ran: rerun with `dropless train --
 `dropless.train.loop.setup`; after the last: `dropless.train.loop.finish`.
 """
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -153,36 +154,46 @@ def _after_step(run: Run, record: dict, eval_records: list[dict], meter: Through
         meter.mark()  # the next interval starts after this one's saving and evaluating
 
 
-def run_steps(run: Run) -> tuple[list[dict], list[dict]]:
+def _stop(run: Run, step: int, signal_name: str | None) -> None:
+    """Saves `step` (unless it is saved), waits for the files, raises TrainingPreempted."""
+    if run.checkpointer.latest_step() != step:
+        _save(run, step)
+    run.checkpointer.wait()
+    raise TrainingPreempted(step, signal_name or "SIGTERM")
+
+
+def run_steps(run: Run, stop: StopOnSigterm | None = None) -> tuple[list[dict], list[dict]]:
     """Trains from `run.state` to `TrainConfig.steps`, then saves and evaluates the final
     state (unless a resumed run has both already); closes the run's files. Returns this call's
-    training and evaluation records. On SIGTERM it saves the step it finishes and raises
-    `TrainingPreempted` (`dropless.train.loop.preempt`)."""
+    training and evaluation records. On SIGTERM or SIGINT, from the first step's compile to the
+    final save, it saves the step it finishes and raises `TrainingPreempted`
+    (`dropless.train.loop.preempt`); `stop`: the entered StopOnSigterm of a caller that took the
+    signals earlier (`train`, for its setup), else one of its own."""
     config, start = run.train_config, int(run.state.step)
     records: list[dict] = []
     eval_records: list[dict] = []
     try:
-        every = config.eval_every
-        if start and every and start % every == 0 and not _evaluated(run, start, eval_records):
-            _run_eval(run, start, eval_records)  # saved before its evaluation, which did not end
-        devices = 1 if run.mesh is None else run.mesh.size
-        meter = throughput.meter(run.model_config, config, devices)
-        with StopOnSigterm() as stop:
+        with contextlib.nullcontext(stop) if stop is not None else StopOnSigterm() as stop:
+            # a checkpoint saved before its evaluation, which did not end: evaluated now
+            every = config.eval_every
+            if start and every and start % every == 0 and not _evaluated(run, start, eval_records):
+                _run_eval(run, start, eval_records)
+            devices = 1 if run.mesh is None else run.mesh.size
+            meter = throughput.meter(run.model_config, config, devices)
             for step in range(start, config.steps):
                 records.append(_train_step(run, step, meter))
                 if step == start:
                     meter.mark()  # the first step compiles: an interval of its own
                 _after_step(run, records[-1], eval_records, meter)
                 if step + 1 < config.steps and stop.requested(step + 1):
-                    if run.checkpointer.latest_step() != step + 1:
-                        _save(run, step + 1)
-                    run.checkpointer.wait()
-                    raise TrainingPreempted(step + 1)
-        if run.checkpointer.latest_step() != config.steps:
-            _save(run, config.steps)
-        if not _evaluated(run, config.steps, eval_records):
-            _run_eval(run, config.steps, eval_records)
-        run.checkpointer.wait()
+                    _stop(run, step + 1, stop.signal_name)
+            if run.checkpointer.latest_step() != config.steps:
+                _save(run, config.steps)
+            if stop.requested(config.steps):  # during the last step or its save
+                _stop(run, config.steps, stop.signal_name)
+            if not _evaluated(run, config.steps, eval_records):
+                _run_eval(run, config.steps, eval_records)
+            run.checkpointer.wait()
     finally:
         run.writer.close()
         run.checkpointer.close()
@@ -216,15 +227,23 @@ def train(
     longer than the model supports), CheckpointError for a missing, corrupt or mismatched
     checkpoint, TrainingDiverged when the loss becomes NaN/inf or an update is absurdly
     large (`dropless.train.loop.guard`; the checkpoints saved before that stay), and
-    TrainingPreempted when SIGTERM stops it (the step it finished is saved).
+    TrainingPreempted when SIGTERM or SIGINT stops it (the step it finished is saved).
     """
     if mesh is not None:
         train_config = dataclasses.replace(train_config, mesh=mesh)
-    run = setup.start(
-        model_config, train_config, backend=backend, out_dir=out_dir, callbacks=callbacks
-    )
+    # the signals are taken from setup on: one that arrives while the state is restored or
+    # the first step compiles stops the run after that step, saved
+    with StopOnSigterm() as stop:
+        run = setup.start(
+            model_config, train_config, backend=backend, out_dir=out_dir, callbacks=callbacks
+        )
+        try:
+            records, eval_records = run_steps(run, stop)
+        except BaseException:
+            if run.lock is not None:
+                run.lock.release()
+            raise
     try:
-        records, eval_records = run_steps(run)
         return finish(run, records, eval_records)
     finally:
         if run.lock is not None:

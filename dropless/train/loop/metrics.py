@@ -9,9 +9,11 @@ tokens_per_s and mfu (`dropless.train.loop.throughput`; null where the device's 
 evaluation records have `"split": "eval"`.
 """
 
+import contextlib
 import json
 import os
 
+from dropless.files import disk_error
 from dropless.train.store.atomic import write_atomic
 
 
@@ -30,14 +32,25 @@ class MetricsWriter:
         if keep_until is not None and os.path.exists(path):
             self.kept = [r for r in read_jsonl(path) if r.get("step", 0) <= keep_until]
         write_atomic(path, (json.dumps(record) + "\n" for record in self.kept))
-        self._file = open(path, "a")  # noqa: SIM115 (closed in close())
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        """Appends `record` as one line; a write that fails (a full disk) leaves no part of
+        the line behind, and is an OSError of one line naming the file."""
+        data = (json.dumps(record) + "\n").encode()
+        end = os.fstat(self._fd).st_size
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, end)  # never a torn line
+            raise OSError(err.errno, disk_error(err, self.path)) from None
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def read_jsonl(path: str) -> list[dict]:

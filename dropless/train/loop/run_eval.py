@@ -16,6 +16,7 @@ import numpy as np
 
 from dropless.data.datasets import AbstractDataset, TokenFile
 from dropless.data.tokenizer import AbstractTokenizer, ByteTokenizer, load_tokenizer
+from dropless.data.verify import read_meta, split_file, verify_prepared
 from dropless.train.config import TrainConfig
 from dropless.train.loop import setup
 from dropless.train.loop.loop import evaluate
@@ -34,8 +35,9 @@ def prepared_eval_split(directory: str | os.PathLike) -> TokenFile:
             f"{folder} is not a prepared data directory: no meta.json (`dropless prepare` "
             "writes one)"
         )
-    meta = json.loads(meta_file.read_text("utf-8"))
-    eval_file = folder / meta.get("files", {}).get("eval", "eval.bin")
+    meta = read_meta(folder)
+    eval_file = split_file(folder, meta, "eval")  # never a file outside `folder`
+    verify_prepared(folder, meta)
     if not eval_file.is_file() or eval_file.stat().st_size == 0:
         raise ValueError(f"{folder} has no eval split ({eval_file.name} is missing or empty)")
     return TokenFile(str(eval_file), meta["dtype"])

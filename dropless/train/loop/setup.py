@@ -75,13 +75,16 @@ def config_dict(
     data: dict | None = None,
 ) -> dict:
     """The YAML/JSON form of a run's configuration (what `dropless train --config` reads).
-    `resume` and `resume_step` are left out (false, None): rerunning a config starts a fresh
-    run. `data`: the record of the data read (`DataSource.record`), written for the reader only."""
+    `resume`, `resume_step` and `allow_data_change` are left out (false, None, false):
+    rerunning a config starts a fresh run. `data`: the record of the data read
+    (`DataSource.record`: its identity, checked when the run continues)."""
     out = {
         "backend": backend,
         "model": dataclasses.asdict(model_config),
         "train": dataclasses.asdict(
-            dataclasses.replace(train_config, resume=False, resume_step=None)
+            dataclasses.replace(
+                train_config, resume=False, resume_step=None, allow_data_change=False
+            )
         ),
     }
     if data is not None:
@@ -148,7 +151,7 @@ def _check_backend_fits_mesh(name: str, backend: Backend, mesh: Mesh | None) -> 
 
 
 def _open_checkpoints(
-    directory: str, fresh: TrainState, train_config: TrainConfig
+    directory: str, fresh: TrainState, train_config: TrainConfig, data: dict
 ) -> tuple[TrainState, Checkpointer]:
     """The state to start from (restored when resuming) and the checkpointer to save with."""
     keep = train_config.keep_checkpoints
@@ -164,7 +167,7 @@ def _open_checkpoints(
         return fresh, checkpointer
     checkpointer = open_for_resume(directory, keep=keep)
     try:
-        state = with_config(restore_intact(checkpointer, fresh, train_config), train_config)
+        state = with_config(restore_intact(checkpointer, fresh, train_config, data), train_config)
         if int(state.step) > train_config.steps:
             raise ValueError(
                 f"the checkpoint is at step {int(state.step)}, past the requested steps "
@@ -294,7 +297,7 @@ def _open(
     metrics file, the callbacks' `on_start`."""
     out_dir = os.path.dirname(files["metrics"])
     fresh = _fresh_state(model_config, train_config, backend, mesh)
-    state, checkpointer = _open_checkpoints(files["checkpoints"], fresh, train_config)
+    state, checkpointer = _open_checkpoints(files["checkpoints"], fresh, train_config, data.record)
     if mesh is not None:
         state = shard_state(state, mesh)  # the resumed config's numbers, replicated
 

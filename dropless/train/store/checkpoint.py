@@ -9,6 +9,7 @@ The metadata also holds a SHA-256 of every array (`dropless.train.store.digest`)
 restore: a corrupt, empty or half-written checkpoint is a `CorruptCheckpoint` error.
 """
 
+import contextlib
 import os
 
 import equinox as eqx
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jaxtyping import PyTree
 
+from dropless.files import disk_error, is_disk_error
 from dropless.train.store.digest import DIGEST_KEY, digest, mismatches, saved_dtypes
 
 
@@ -55,20 +57,40 @@ class Checkpointer:
         """Steps that have a checkpoint, oldest first."""
         return sorted(self._manager.all_steps())
 
+    def reload(self) -> None:
+        """Reads the directory again: what another process saved or removed since."""
+        self._manager.reload()
+
     def latest_step(self) -> int | None:
         """The newest checkpointed step, or None."""
         return self._manager.latest_step()
 
     def save(self, step: int, state: PyTree, meta: dict) -> None:
-        """Writes the arrays of `state` and the JSON-serialisable `meta` as checkpoint `step`."""
+        """Writes the arrays of `state` and the JSON-serialisable `meta` as checkpoint `step`.
+        A full or read-only disk, here or in the background write, is a CheckpointError of
+        one line naming the directory and the space a checkpoint needs."""
         arrays = eqx.filter(state, _holds_data)
+        self._bytes = sum(x.nbytes for x in jax.tree.leaves(arrays))
         meta = {**meta, DIGEST_KEY: digest(arrays)}
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
-            ),
-        )
+        with self._disk_errors():
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
+                ),
+            )
+
+    @contextlib.contextmanager
+    def _disk_errors(self):
+        try:
+            yield
+        except Exception as err:
+            if not is_disk_error(err):
+                raise
+            needed = getattr(self, "_bytes", None)
+            raise CheckpointError(
+                f"cannot save a checkpoint: {disk_error(err, self.directory, needed)}"
+            ) from None
 
     def read_meta(self, step: int | None = None) -> dict:
         """The metadata saved with checkpoint `step` (default: the latest)."""
@@ -164,11 +186,13 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Blocks until every started save is on disk."""
-        self._manager.wait_until_finished()
+        with self._disk_errors():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Finishes pending saves and releases the manager."""
-        self._manager.close()
+        with self._disk_errors():
+            self._manager.close()
 
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, str(step))

@@ -11,12 +11,25 @@ from dropless.models.deepseek_v3.config import DROPLESS_FIELDS
 from dropless.train.config import TrainConfig
 from dropless.train.step.step import TrainState
 from dropless.train.store.checkpoint import Checkpointer, CheckpointError, CorruptCheckpoint
+from dropless.train.store.data_identity import check_resume_data
 
 # Model settings that a resumed run may change: they touch no array.
 FREE_ON_RESUME = tuple(f for f in DROPLESS_FIELDS if f != "param_dtype")
 
 # TrainConfig fields whose change on resume is the point of resuming, not worth a warning.
-_EXPECTED_CHANGES = ("steps", "resume", "resume_step")
+_EXPECTED_CHANGES = ("steps", "resume", "resume_step", "allow_data_change")
+
+
+def model_changes(saved: dict, fresh: TrainState) -> list[str]:
+    """'field: saved -> now' for each model setting free on resume (`FREE_ON_RESUME`) that
+    differs from the checkpoint's: allowed (no array changes), but said, since some (the compute
+    dtype) change the numbers."""
+    current = json.loads(json.dumps(dataclasses.asdict(fresh.model.config)))
+    return [
+        f"{k}: {saved[k]!r} -> {current[k]!r}"
+        for k in FREE_ON_RESUME
+        if k in saved and k in current and saved[k] != current[k]
+    ]
 
 
 def check_model(checkpointer: Checkpointer, step: int, fresh: TrainState) -> dict:
@@ -68,11 +81,15 @@ def config_changes(saved: dict, train_config: TrainConfig) -> list[str]:
 
 
 def restore_intact(
-    checkpointer: Checkpointer, fresh: TrainState, train_config: TrainConfig
+    checkpointer: Checkpointer,
+    fresh: TrainState,
+    train_config: TrainConfig,
+    data: dict | None = None,
 ) -> TrainState:
     """The state of checkpoint `train_config.resume_step`, else of the newest intact one.
     Checkpoints after the one restored are set aside (`Checkpointer.set_aside`), so that the
-    run saves those steps afresh."""
+    run saves those steps afresh. `data`: the record of the data the run continues on, checked
+    against the checkpoint's (`dropless.train.store.data_identity`) before anything is moved."""
     steps = checkpointer.steps()
     chosen = train_config.resume_step
     if chosen is not None and chosen not in steps:
@@ -98,6 +115,23 @@ def restore_intact(
             f"cannot resume: no intact checkpoint in {checkpointer.directory} ("
             + "; ".join(skipped)
             + ")"
+        )
+    allowed = (
+        []
+        if data is None
+        else (
+            check_resume_data(saved.get("data"), data, allow_change=train_config.allow_data_change)
+        )
+    )
+    if allowed:
+        warnings.warn(
+            f"resuming on other data with the same tokenizer ({', '.join(allowed)})", stacklevel=2
+        )
+    changed = model_changes(saved.get("model") or {}, fresh)
+    if changed:
+        warnings.warn(
+            "resuming with model settings that differ from the checkpoint's: " + ", ".join(changed),
+            stacklevel=2,
         )
     moved = checkpointer.set_aside(step)
     if moved:

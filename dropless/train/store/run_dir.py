@@ -13,6 +13,7 @@ directory (where `load_tokenizer` finds one).
 
 import dataclasses
 import os
+import warnings
 from pathlib import Path
 
 import equinox as eqx
@@ -21,10 +22,12 @@ import yaml
 
 from dropless.backends import Backend, get_backend
 from dropless.data.tokenizer import AbstractTokenizer, load_tokenizer
+from dropless.data.verify import sha256_file
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.train.config import TrainConfig
 from dropless.train.step.step import init_state
-from dropless.train.store.checkpoint import Checkpointer, CheckpointError
+from dropless.train.store.checkpoint import Checkpointer, CheckpointError, CorruptCheckpoint
+from dropless.train.store.data_identity import DataMismatch
 from dropless.train.store.layout import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
@@ -98,14 +101,67 @@ def data_dir(train_config: TrainConfig) -> Path | None:
     return path if path.is_dir() else path.parent
 
 
-def run_tokenizer(train_config: TrainConfig) -> tuple[AbstractTokenizer | None, str | None]:
+def run_tokenizer(
+    train_config: TrainConfig, recorded: dict | None = None
+) -> tuple[AbstractTokenizer | None, str | None]:
     """(tokenizer, the tokenizer.json it came from) of a run's data, or (None, None) when its
-    data has no tokenizer.json beside it (the synthetic corpus, a bare token file)."""
+    data has no tokenizer.json beside it (the synthetic corpus, a bare token file).
+    `recorded`: the data record of the run's config.yaml; a tokenizer.json other than the one
+    it names (the folder prepared again since) is a DataMismatch, never a wrong decoding."""
     folder = data_dir(train_config)
     if folder is None or not (folder / TOKENIZER_FILE).is_file():
         return None, None
     file = folder / TOKENIZER_FILE
+    want = (recorded or {}).get("tokenizer_sha256")
+    if want is not None and sha256_file(file) != want:
+        raise DataMismatch(
+            f"{file} is not the tokenizer the run was trained with (its SHA-256 differs from "
+            "the one in the run's config.yaml): the data folder was prepared again since, and "
+            "its token ids mean other text to this model"
+        )
     return load_tokenizer(file), str(file.resolve())
+
+
+def _recorded_data(run_dir: str) -> dict | None:
+    """The data record (`DataSource.record`) of a run's config.yaml, or None."""
+    with open(os.path.join(run_dir, CONFIG_FILE)) as f:
+        data = (yaml.safe_load(f) or {}).get("data")
+    return data if isinstance(data, dict) else None
+
+
+def _restore_newest(checkpointer: Checkpointer, like, step: int | None):
+    """The state of checkpoint `step`, else of the newest one that restores, retrying when a
+    live run's retention removes the one being read, and passing over corrupt ones (a warning
+    each)."""
+    if step is not None:
+        return checkpointer.restore(like, step)[0]
+    tried: set[int] = set()
+    last = ""
+    while True:
+        checkpointer.reload()
+        steps = [s for s in checkpointer.steps() if s not in tried]
+        if not steps:
+            raise CheckpointError(
+                f"no intact checkpoint in {checkpointer.directory}"
+                + (f" (tried steps {sorted(tried)}; the last: {last})" if tried else "")
+            )
+        newest = steps[-1]
+        try:
+            return checkpointer.restore(like, newest)[0]
+        except (CheckpointError, OSError) as err:
+            tried.add(newest)
+            last = str(err)
+            checkpointer.reload()
+            if newest not in checkpointer.steps():
+                warnings.warn(
+                    f"checkpoint {newest} was removed while reading (the run is training and "
+                    "keeps only its newest checkpoints); retrying with the newest one",
+                    stacklevel=3,
+                )
+            elif isinstance(err, CorruptCheckpoint):
+                warnings.warn(f"{err}; trying an older checkpoint", stacklevel=3)
+            else:
+                raise
 
 
 def _local_backend(name: str) -> str:
@@ -125,7 +181,10 @@ def load_run(
 
     `backend`: the MoE backend to run the model on (default: the run's own; "auto" where that
     was a custom value or needs a device mesh). The model is on the default device, unsharded.
-    Raises ValueError when `run_dir` is not a run directory and CheckpointError when it has no
+    Without `step`, the newest checkpoint that restores: one that a live run's retention removes
+    while it is read is retried with the newest, a corrupt one passed over (a warning each).
+    Raises ValueError when `run_dir` is not a run directory, DataMismatch when its data's
+    tokenizer is no longer the one it was trained with, and CheckpointError when it has no
     checkpoint, `step` is not one of its checkpoints (the message lists those that are), or the
     checkpoint does not fit the config.
     """
@@ -135,6 +194,7 @@ def load_run(
     if not os.path.isdir(directory):
         raise CheckpointError(f"no checkpoint in {run_dir}: {CHECKPOINT_DIR}/ does not exist")
     name = _local_backend(saved_backend) if backend is None else backend
+    tokenizer, source = run_tokenizer(train_config, _recorded_data(run_dir))
     checkpointer = Checkpointer(directory)
     try:
         steps = checkpointer.steps()
@@ -152,10 +212,10 @@ def load_run(
             model = DeepSeekV3(model_config, backend=moe_backend, key=jax.random.key(0))
             return init_state(model, train_config)
 
-        state, _ = checkpointer.restore(eqx.filter_eval_shape(fresh), step)
+        state = _restore_newest(checkpointer, eqx.filter_eval_shape(fresh), step)
+        steps = checkpointer.steps()
     finally:
         checkpointer.close()
-    tokenizer, source = run_tokenizer(train_config)
     return LoadedRun(
         run_dir=run_dir,
         model_config=model_config,

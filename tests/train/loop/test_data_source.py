@@ -2,6 +2,7 @@
 one), a flat token file; the tokenizer's vocabulary against the model's; what a run records."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -9,9 +10,11 @@ import yaml
 
 from dropless.data import prepare
 from dropless.data.datasets import SyntheticCorpus, TokenFile
+from dropless.data.verify import DataChanged, verify_prepared
 from dropless.models.deepseek_v3 import get_preset
 from dropless.train import TrainConfig, train
 from dropless.train.loop.data_source import check_vocab, fit_vocab, open_data
+from dropless.train.loop.run_eval import prepared_eval_split
 
 TINY = get_preset("tiny")
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n"
@@ -95,3 +98,69 @@ def test_training_on_a_prepared_directory_records_it(prepared, tmp_path, train_c
     with pytest.raises(ValueError, match="is smaller than the tokenizer's"):
         train(TINY.replace(vocab_size=200), config, out_dir=str(tmp_path / "small"))
     assert not (tmp_path / "small").exists()
+
+
+# --- data checked against meta.json when opened (issue 53) -------------------------------------
+
+
+@pytest.fixture
+def copy(prepared, tmp_path):
+    out = tmp_path / "data"
+    shutil.copytree(prepared, out)
+    return out
+
+
+def test_a_truncated_token_file_is_refused(copy):
+    """Row 6: train.bin cut to 100 bytes no longer matches meta.json's token count."""
+    with open(copy / "train.bin", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(DataChanged, match=r"train\.bin has 100 bytes; meta\.json records"):
+        open_data(TrainConfig(data=str(copy)), 512)
+
+
+def test_a_tokenizer_swapped_in_is_refused(copy, tmp_path):
+    """Row 6: a tokenizer.json from another folder differs from the hash meta.json records."""
+    other = tmp_path / "other"
+    prepare([copy.parent / "data" / "meta.json"], other, tokenizer="bpe", vocab_size=270,
+            progress=False)  # fmt: skip
+    shutil.copy(other / "tokenizer.json", copy / "tokenizer.json")
+    with pytest.raises(DataChanged, match=r"tokenizer\.json differs from the SHA-256"):
+        open_data(TrainConfig(data=str(copy)), 512)
+
+
+def test_token_hashes_are_checked_on_request(copy):
+    data = np.fromfile(copy / "train.bin", np.uint16)
+    data[3] = (data[3] + 1) % 200
+    data.tofile(copy / "train.bin")
+    meta = json.loads((copy / "meta.json").read_text())
+    verify_prepared(copy, meta)  # the sizes agree
+    with pytest.raises(DataChanged, match=r"train\.bin differs from the SHA-256"):
+        verify_prepared(copy, meta, hashes=True)
+
+
+def test_an_id_outside_the_vocabulary_is_found_when_opened(copy, tmp_path):
+    """Row 7: found at open, naming the file and the offset, not at some step."""
+    data = np.fromfile(copy / "train.bin", np.uint16)
+    data[1234] = 60000
+    data.tofile(copy / "train.bin")
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["sha256"].pop("train.bin")  # a consistent folder, holding a bad id
+    (copy / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"train\.bin: token id 60000 at offset 1,234 .*258"):
+        open_data(TrainConfig(data=str(copy)), 512)
+    flat = tmp_path / "tokens.bin"
+    np.concatenate([np.arange(100), [700], np.arange(100)]).astype(np.uint16).tofile(flat)
+    with pytest.raises(ValueError, match=r"tokens\.bin: token id 700 at offset 100 \(byte 200\)"):
+        open_data(TrainConfig(data=str(flat)), 512)
+
+
+def test_meta_json_names_no_file_outside_its_folder(copy, tmp_path):
+    """Row 9: `files.eval` = ../../outside.bin is refused, and never read."""
+    (tmp_path / "outside.bin").write_bytes(np.arange(64, dtype=np.uint16).tobytes())
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["files"]["eval"] = "../outside.bin"
+    (copy / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataChanged, match=r"files\.eval.*'\.\./outside\.bin'.*not a plain name"):
+        prepared_eval_split(copy)
+    with pytest.raises(DataChanged, match="not a plain name"):
+        open_data(TrainConfig(data=str(copy)), 512)

@@ -176,6 +176,54 @@ def test_sigterm_saves_the_step_and_stops_and_resume_continues_exactly(tmp_path,
         assert _without_timing(got) == _without_timing(want)
 
 
+class SignalAt(Callback):
+    """`signum` to this process at a moment: "start" (before the first step compiles) or
+    "final_save" (as the last step's checkpoint is saved)."""
+
+    def __init__(self, signum: int, moment: str, steps: int):
+        self.signum, self.moment, self.steps = signum, moment, steps
+
+    def on_start(self, info: dict) -> None:
+        if self.moment == "start":
+            os.kill(os.getpid(), self.signum)
+
+    def on_checkpoint(self, step: int, path: str) -> None:
+        if self.moment == "final_save" and step == self.steps:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("signum", "moment", "saved"),
+    [
+        (signal.SIGTERM, "final_save", 3),  # row 2: after the last step is logged
+        (signal.SIGINT, "start", 1),  # row 3: Ctrl-C during the first compile
+        (signal.SIGINT, "final_save", 3),
+    ],
+)
+def test_a_signal_at_any_moment_of_the_steps_ends_with_the_step_saved(
+    tmp_path, signum, moment, saved
+):
+    """Issue 53 rows 2 and 3: the process's own handler (here one that records) never sees
+    the signal, the run stops with its newest step saved, and says which signal it was."""
+    got = []
+
+    def recorder(signum, frame):
+        got.append(signum)
+
+    previous = signal.signal(signum, recorder)
+    try:
+        with pytest.raises(TrainingPreempted) as info:
+            train(TINY, config(steps=3), backend="jnp", out_dir=str(tmp_path),
+                  callbacks=[SignalAt(signum, moment, 3)])  # fmt: skip
+        assert signal.getsignal(signum) is recorder  # put back after the steps
+    finally:
+        signal.signal(signum, previous)
+    assert got == []
+    assert info.value.step == saved and signal.Signals(signum).name in str(info.value)
+    assert Checkpointer(str(tmp_path / "checkpoints")).steps()[-1] == saved
+
+
 @pytest.mark.slow
 def test_a_model_without_moe_layers_checkpoints_and_resumes(tmp_path, config):
     """One dense layer, no MTP block: no MoE statistics (a 0 x experts expert load), a run
@@ -259,7 +307,8 @@ def test_token_file_training_and_out_of_vocabulary_ids(tmp_path, config):
     tokens = np.random.default_rng(0).integers(0, 512, 5000).astype(np.uint16)
     tokens[::50] = 600  # ids past the tiny vocabulary (512)
     tokens.tofile(bad)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    # found when the data is opened, naming the file and the offset (issue 53 row 7)
+    with pytest.raises(ValueError, match=r"bad\.bin: token id 600 at offset 0 .*the model's"):
         train(TINY, config(data=str(bad)), backend="jnp", out_dir=str(tmp_path / "bad"))
 
 

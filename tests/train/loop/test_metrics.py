@@ -1,5 +1,8 @@
 """The JSONL writer and reader."""
 
+import errno
+import os
+
 import pytest
 
 from dropless.train.loop import metrics
@@ -45,3 +48,23 @@ def test_a_kill_while_resuming_never_loses_the_history(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert (tmp_path / "m.jsonl").read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl"]  # no temporary left
+
+
+def test_a_full_disk_leaves_no_torn_line(tmp_path, monkeypatch):
+    """Issue 53 row 11: a metrics write that runs out of space half-way is one line naming the
+    file, and the file keeps whole lines only."""
+    path = tmp_path / "metrics.jsonl"
+    writer = metrics.MetricsWriter(str(path))
+    writer.write({"split": "train", "step": 1})
+    real = os.write
+
+    def full(fd, data):
+        real(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(metrics.os, "write", full)
+    with pytest.raises(OSError, match=r"no space left on the device of .*metrics\.jsonl \(.* free"):
+        writer.write({"split": "train", "step": 2, "loss": 1.5})
+    monkeypatch.undo()
+    writer.close()
+    assert path.read_text() == '{"split": "train", "step": 1}\n'

@@ -1,5 +1,6 @@
 """Checkpointer: exact round trip, keep-last-N, and clear errors for missing/corrupt dirs."""
 
+import errno
 import gc
 
 import equinox as eqx
@@ -183,3 +184,25 @@ def test_a_flipped_bit_or_a_truncated_file_is_caught_by_the_digest(tmp_path):
     with pytest.raises(CorruptCheckpoint, match="checkpoint .*3 is empty"):
         open_for_resume(str(directory)).restore(state(0))
     gc.collect()
+
+
+def test_a_full_disk_is_one_line_naming_the_directory_and_the_space(tmp_path, monkeypatch):
+    """Issue 53 row 11: no raw OSError from deep inside orbax."""
+    checkpointer = Checkpointer(str(tmp_path / "ckpt"))
+
+    def full(*args, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as err:
+            raise RuntimeError("orbax: a background write failed") from err
+
+    monkeypatch.setattr(checkpointer._manager, "save", full)
+    monkeypatch.setattr(checkpointer._manager, "wait_until_finished", full)
+    with pytest.raises(CheckpointError, match=r"no space left on the device of .*ckpt \(.* free, "
+                       r"about .*MiB needed\)") as info:  # fmt: skip
+        checkpointer.save(1, state(0), {"step": 1})
+    assert "\n" not in str(info.value)
+    with pytest.raises(CheckpointError, match="no space left"):
+        checkpointer.wait()
+    monkeypatch.undo()
+    checkpointer.close()

@@ -5,21 +5,27 @@ tokens, checkpoints at steps 2 and 4) serves the module; the tests that read it 
 (compiling on a CPU)."""
 
 import dataclasses
+import gc
 import json
 import math
 import shutil
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
 
 from dropless.data import ByteTokenizer, prepare
-from dropless.models.deepseek_v3 import get_preset
+from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
 from dropless.train import CheckpointError, TrainConfig, evaluate_run, load_run, train
 from dropless.train.loop import setup
+from dropless.train.loop.data_source import open_data
 from dropless.train.loop.run_eval import append_metrics, prepared_eval_split
+from dropless.train.step.step import init_state
+from dropless.train.store.checkpoint import Checkpointer
+from dropless.train.store.data_identity import DataMismatch
 
 # A dense and an MoE layer, no MTP block: what a run directory holds is the same for any model,
 # and the compiles are shorter.
@@ -49,6 +55,7 @@ def train_tiny_run(root):
 
 
 slow = pytest.mark.slow
+orbax_failed_restore = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +160,82 @@ def test_append_metrics_keeps_every_line(tmp_path):
     append_metrics(path, {"step": 1, "ce": 2.0})
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines == [{"split": "train", "step": 1}, {"split": "eval_cli", "step": 1, "ce": 2.0}]
+
+
+# --- a run that is read while it trains, or after its files changed (issue 53) ------------------
+
+
+def saved_run(root, steps=(2, 4)):
+    """(data dir, run dir) of a run written without training: config.yaml as `train` writes it,
+    and checkpoints of the freshly initialised state at `steps` (step counters set)."""
+    write_corpus(root)
+    data = root / "data"
+    prepare([root / "docs.jsonl"], data, eval_fraction=0.2, progress=False)
+    config = TrainConfig(steps=4, batch_size=4, seq_len=32, data=str(data), plots=False)
+    source = open_data(config, MODEL.vocab_size)
+    run = root / "run"
+    run.mkdir()
+    record = setup.config_dict(MODEL, config, "jnp", source.record)
+    (run / "config.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    state = init_state(DeepSeekV3(MODEL, key=jax.random.key(0)), config)
+    checkpointer = Checkpointer(str(run / "checkpoints"))
+    for step in steps:
+        state = dataclasses.replace(state, step=jnp.asarray(step, state.step.dtype))
+        checkpointer.save(step, state, {"config": json.loads(json.dumps(record)), "step": step})
+    checkpointer.close()
+    return data, run
+
+
+def test_a_checkpoint_removed_while_read_is_retried_with_the_newest(tmp_path, monkeypatch):
+    """Row 1: a live run saves step 6 and drops step 4 (its retention) while `load_run` reads
+    step 4: the reader says so and reads step 6, never blaming the checkpoint."""
+    _, run = saved_run(tmp_path)
+    real = Checkpointer.restore
+    calls = []
+
+    def racing(self, like, step=None):
+        calls.append(step)
+        if len(calls) == 1:  # the trainer's save of 6 lands, its retention removes 4
+            shutil.copytree(run / "checkpoints" / "4", run / "checkpoints" / "6")
+            shutil.rmtree(run / "checkpoints" / "4")
+        return real(self, like, step)
+
+    monkeypatch.setattr(Checkpointer, "restore", racing)
+    with pytest.warns(UserWarning, match="checkpoint 4 was removed while reading"):
+        loaded = load_run(run)
+    assert calls == [4, 6] and loaded.steps == [2, 6]
+    assert loaded.step == 4  # the copy's own counter: step 6 holds step 4's state here
+
+
+@orbax_failed_restore
+def test_eval_and_generate_fall_back_past_a_corrupt_checkpoint(tmp_path):
+    """Row 14: the newest checkpoint's optimiser moment is corrupt; `load_run` (what eval and
+    generate read) passes over it with a warning, as train --resume does; an asked-for step
+    stays an error."""
+    _, run = saved_run(tmp_path)
+    moment = max(
+        (p for p in (run / "checkpoints" / "4" / "state").rglob("*") if p.is_file()),
+        key=lambda p: p.stat().st_size,
+    )
+    data = bytearray(moment.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    moment.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="checkpoint .*4 is corrupt.*trying an older"):
+        loaded = load_run(run)
+    assert loaded.step == 2
+    with pytest.raises(CheckpointError, match="4"):
+        load_run(run, step=4)
+    gc.collect()
+
+
+def test_a_run_refuses_a_tokenizer_it_was_not_trained_with(tmp_path):
+    """Rows 5 and 6: the data folder prepared again with another tokenizer: generate and eval
+    (through `load_run`) refuse it instead of decoding with it."""
+    data, run = saved_run(tmp_path)
+    assert isinstance(load_run(run).tokenizer, ByteTokenizer)
+    other = tmp_path / "other"
+    prepare([tmp_path / "docs.jsonl"], other, tokenizer="bpe", vocab_size=300, progress=False)
+    shutil.rmtree(data)
+    shutil.copytree(other, data)
+    with pytest.raises(DataMismatch, match="not the tokenizer the run was trained with"):
+        load_run(run)

@@ -20,6 +20,8 @@ import numpy as np
 from jaxtyping import Float, Float32, Shaped
 from tqdm.auto import tqdm
 
+from dropless.files import UnsafeName, inside
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -76,15 +78,19 @@ class SafetensorsFile:
             if len(head) < 8:
                 raise CheckpointError(f"{path}: not a safetensors file ({size} bytes)")
             n = int.from_bytes(head, "little")
+            # the messages never quote the file's bytes: a file that is no safetensors file
+            # (one an index names by mistake, or on purpose) keeps its contents
             if n > size - 8:
                 raise CheckpointError(
-                    f"{path}: truncated safetensors file (its header alone claims {n} bytes, "
-                    f"the file has {size})"
+                    f"{path}: truncated safetensors file, or none at all (its first 8 bytes, "
+                    f"read as a header length, exceed the file's {size} bytes)"
                 )
             try:
                 header = json.loads(f.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                raise CheckpointError(f"{path}: corrupt safetensors header ({err})") from err
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                raise CheckpointError(
+                    f"{path}: corrupt safetensors header (not UTF-8 JSON)"
+                ) from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
         header.pop("__metadata__", None)
@@ -140,7 +146,10 @@ class Checkpoint:
                     listed = dict(json.load(f)["weight_map"])
             except (OSError, ValueError, KeyError, TypeError) as err:
                 raise CheckpointError(f"{index}: unreadable index ({err!r})") from err
-            paths = [path / name for name in sorted(set(listed.values()))]
+            try:
+                paths = [inside(path, name, str(index)) for name in sorted(set(listed.values()))]
+            except (UnsafeName, TypeError) as err:
+                raise CheckpointError(str(err)) from None
             for p in paths:
                 if not p.is_file():
                     raise FileNotFoundError(f"{p}: no such file (listed in {index})")

@@ -183,10 +183,28 @@ def _plan(
     return reads
 
 
+def _check_size(config: DeepSeekV3Config, ckpt: Checkpoint, fused: set[int], where) -> None:
+    """CheckpointError, in microseconds, when config.json calls for more tensors than the files
+    hold: a table of them is built only for a config the files can fill (a config.json with
+    10**8 experts or 200,000 layers would otherwise take minutes and gigabytes to refuse)."""
+    layers = config.num_hidden_layers + config.num_nextn_predict_layers
+    per_expert = max(config.n_moe_layers - len(fused), 0)  # layers with a tensor per expert
+    least = 2 * layers + 3 * config.n_routed_experts * per_expert  # two norms per layer
+    if least > len(ckpt.where):
+        raise CheckpointError(
+            f"{where / CONFIG_NAME}: num_hidden_layers ({config.num_hidden_layers}), "
+            f"first_k_dense_replace ({config.first_k_dense_replace}) and n_routed_experts "
+            f"({config.n_routed_experts}) call for at least {least:,} tensors; the files hold "
+            f"{len(ckpt.where):,}"
+        )
+
+
 def _match(config, ckpt, mtp, backend, fp8_block, path):
     """The model skeleton for `config` (MTP resolved against the files), its array leaves, and
     the reads that fill them; CheckpointError where the files do not match."""
     config, ignore_mtp = _resolve_mtp(config, ckpt, mtp, path)
+    fused = {int(m[1]) for name in ckpt.where if (m := FUSED_EXPERTS.match(name))}
+    _check_size(config, ckpt, fused, path)
     skeleton = eqx.filter_eval_shape(
         lambda: DeepSeekV3(config, backend=backend, key=jax.random.key(0))
     )
@@ -194,7 +212,6 @@ def _match(config, ckpt, mtp, backend, fp8_block, path):
         k: v for k, v in leaves_by_name(skeleton).items() if isinstance(v, jax.ShapeDtypeStruct)
     }
     shapes = {k: tuple(v.shape) for k, v in leaves.items()}
-    fused = {int(m[1]) for name in ckpt.where if (m := FUSED_EXPERTS.match(name))}
     table = tensor_table(shapes, config, fused_layers=fused)
     check_coverage(table, shapes)
     ignore_from = config.num_hidden_layers if ignore_mtp else None

@@ -1,0 +1,46 @@
+"""What `dropless train` says when it is interrupted: only what is true (issue 53 row 3)."""
+
+import errno
+import os
+
+from dropless.cli.parsing import parse
+from dropless.cli.run import disk_line, run_train, what_is_saved
+from dropless.train.store import lock as run_lock
+
+
+def test_no_resume_advice_without_a_checkpoint(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    said = what_is_saved(str(tmp_path))
+    assert "nothing to resume" in said and "--resume" not in said
+    assert "nothing to resume" in what_is_saved(str(tmp_path / "never-created"))
+
+
+def test_the_newest_checkpoint_is_named(tmp_path):
+    for name in ("3", "12", "7.orbax-checkpoint-tmp-1"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    said = what_is_saved(str(tmp_path))
+    assert "step 12" in said and f"--out-dir {tmp_path} --resume" in said
+
+
+def test_a_read_only_out_dir_is_one_line(tmp_path, monkeypatch, capsys):
+    """Row 12: the run directory's lock cannot be written: one line naming it, exit 1, before
+    anything is compiled."""
+    real = os.open
+
+    def read_only(path, *args, **kwargs):
+        if str(path).endswith(".lock"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(run_lock.os, "open", read_only)
+    out = tmp_path / "run"
+    command = parse(["train", "--data", "synthetic", "--out-dir", str(out), "--steps", "1",
+                     "--no-progress", "--backend", "jnp"])  # fmt: skip
+    assert run_train(command) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dropless: error: cannot write {out}/.lock: the file system is read-only"]
+
+
+def test_the_line_of_a_full_disk_names_the_free_space(tmp_path):
+    line = disk_line(OSError(errno.ENOSPC, "No space left on device"), str(tmp_path))
+    assert line.startswith(f"no space left on the device of {tmp_path} (") and "free" in line
