@@ -20,7 +20,7 @@ import numpy as np
 from jaxtyping import Float, Float32, Shaped
 from tqdm.auto import tqdm
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "olmoe")
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
