@@ -15,7 +15,7 @@ import tyro
 from dropless.cli.config_file import load_yaml_config, replace_checked
 from dropless.cli.help import HELP_FLAGS, full_help, short_help
 from dropless.cli.options import BACKEND_NAMES, PresetsCommand, TrainCommand, to_options
-from dropless.models.deepseek_v3 import get_preset
+from dropless.models import get_preset
 from dropless.train.config import TrainConfig
 from dropless.train.resume import saved_run_config
 from dropless.train.setup import CHECKPOINT_DIR, CONFIG_FILE
