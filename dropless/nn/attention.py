@@ -64,7 +64,9 @@ class GQA(eqx.Module):
     """Causal grouped-query attention over `batch seq dim`.
 
     `qk_norm`: "head" norms each head's query and key over `head_dim` (Qwen3), "full" the whole
-    query and key projections (OLMoE), before the rotation either way. `window`: each position
+    query and key projections (OLMoE), before the rotation either way; the rotation turns
+    half-split pairs (x[i], x[i + head_dim/2]) as these families do, or with `rope_interleave`
+    adjacent ones (`dropless.nn.RotaryEmbedding`). `window`: each position
     sees itself and the `window - 1` before it (None: all before it). `impl`: "xla" (`attend`)
     or "cudnn" (cuDNN's fused attention on NVIDIA GPUs, through `jax.nn.dot_product_attention`).
     """
@@ -96,6 +98,7 @@ class GQA(eqx.Module):
         rope_theta: float = 10000.0,
         rope_scaling: Mapping[str, Any] | None = None,
         max_position_embeddings: int = 2048,
+        rope_interleave: bool = False,
         eps: float = 1e-6,
         impl: str = "xla",
         dtype=jnp.float32,
@@ -120,7 +123,7 @@ class GQA(eqx.Module):
             theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_position_embeddings,
-            interleave=False,
+            interleave=rope_interleave,
         )
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_norm, self.window, self.scale, self.impl = qk_norm, window, head_dim**-0.5, impl

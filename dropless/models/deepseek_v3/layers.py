@@ -62,6 +62,7 @@ def make_attention(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> MLA | GQA:
         rope_theta=c.rope_theta,
         rope_scaling=c.rope_scaling,
         max_position_embeddings=c.max_position_embeddings,
+        rope_interleave=c.rope_interleave,
     )
     if c.attention_type == "gqa":
         return GQA(
@@ -85,7 +86,6 @@ def make_attention(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> MLA | GQA:
         qk_nope_head_dim=c.qk_nope_head_dim,
         qk_rope_head_dim=c.qk_rope_head_dim,
         v_head_dim=c.v_head_dim,
-        rope_interleave=c.rope_interleave,
         # the latent norms keep MLA's own 1e-6 whatever rms_norm_eps says, as DeepSeek's and
         # transformers' code do
         impl=c.attention_impl,
