@@ -43,7 +43,6 @@ SPECS = [
         1,
     ),
     (RoutingSpec(4, 2, "softmax", softmax_before_topk=False), 0),
-    (RoutingSpec(8, 3, "softmax", norm_topk_prob=False), 0),  # OLMoE's
 ]
 
 
