@@ -18,7 +18,8 @@ import yaml
 import dropless
 from dropless import cli
 from dropless.cli.parsing import defaults
-from dropless.models.deepseek_v3 import PRESETS, DeepSeekV3Config, get_preset
+from dropless.models import PRESETS as ALL_PRESETS
+from dropless.models.deepseek_v3 import DeepSeekV3Config, get_preset
 from dropless.train.config import TrainConfig
 from dropless.train.store.checkpoint import Checkpointer
 
@@ -398,16 +399,20 @@ def test_help_shows_the_defaults_of_the_preset(capsys, monkeypatch):
 
 
 def test_presets_lists_sizes(capsys):
-    """Every preset with its sizes: DeepSeek-V3's published 671B total and 37B active, and no
-    MTP module where a preset has none."""
+    """Every preset of every family with its sizes: DeepSeek-V3's published 671B total and 37B
+    active, the other families' published sizes, and no MTP module where a preset has none."""
     assert cli.main(["presets"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["preset", "total", "active", "mtp"]
+    assert lines[0].split() == ["preset", "family", "total", "active", "mtp"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
-    assert set(rows) == set(PRESETS)
-    assert rows["deepseek-v3-671b"][:2] == ["671.0B", "37.6B"]
-    assert rows["deepseek-v2-lite"][2] == "-"  # num_nextn_predict_layers = 0
-    assert rows["tiny"][0].endswith("M")
+    assert set(rows) == set(ALL_PRESETS)
+    assert rows["deepseek-v3-671b"][:3] == ["deepseek_v3", "671.0B", "37.6B"]
+    assert rows["deepseek-v2-lite"][3] == "-"  # num_nextn_predict_layers = 0
+    assert rows["tiny"][1].endswith("M")
+    assert rows["qwen3-30b-a3b"][:3] == ["qwen3_moe", "30.5B", "3.4B"]
+    assert rows["mixtral-8x7b"][:3] == ["mixtral", "46.7B", "12.9B"]
+    assert rows["olmoe-1b-7b"][:3] == ["olmoe", "6.9B", "1.3B"]
+    assert rows["kimi-k2"][:3] == ["deepseek_v3", "1.03T", "32.9B"]
 
 
 @pytest.mark.slow

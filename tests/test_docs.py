@@ -10,7 +10,13 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-TUTORIALS = ["backends.md", "concepts.md", "deepseek-v3.md", "getting-started.md"]
+TUTORIALS = [
+    "backends.md",
+    "concepts.md",
+    "deepseek-v3.md",
+    "getting-started.md",
+    "qwen3-moe.md",
+]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 

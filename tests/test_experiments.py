@@ -43,6 +43,7 @@ CASES = {
     "expert_granularity": ([*SMALL, "--sweep", "8/2"], 1),
     "dropless_vs_capacity": ([*SMALL, "--factors", "1.0", "--repeats", "1"], 6),
     "expert_specialisation": ([*SMALL, "--eval-batches", "1"], 3),
+    "families": ([*SMALL, "--data", "synthetic", "--only", "tiny", "olmoe-tiny"], 2),
 }
 
 

@@ -9,7 +9,8 @@ import tyro
 
 from dropless.backends import BACKENDS
 from dropless.cli.config_file import apply_overrides, parse_yaml
-from dropless.models.deepseek_v3 import PRESETS, DeepSeekV3Config
+from dropless.models import PRESETS
+from dropless.models.deepseek_v3 import DeepSeekV3Config
 from dropless.train.config import TrainConfig
 
 # One line per DeepSeekV3Config field, shown by `dropless train --help-all`.
@@ -55,6 +56,15 @@ MODEL_HELP = {
     "chunks never hold the whole float32 logits.",
     "logits_dtype": "What the vocabulary head writes: 'float32' or 'bfloat16' (the loss reduces "
     "in float32 either way).",
+    "model_type": "Hugging Face family of the checkpoints: 'deepseek_v3', 'qwen3_moe', "
+    "'mixtral' or 'olmoe'.",
+    "num_key_value_heads": "GQA: key-value heads (None: one per query head).",
+    "head_dim": "GQA: width of each head (None: hidden_size / num_attention_heads).",
+    "sliding_window": "GQA: positions each query sees, itself included (None: all before it).",
+    "attention_type": "Attention: 'mla' (DeepSeek) or 'gqa' (grouped-query: Qwen3-MoE, Mixtral, "
+    "OLMoE).",
+    "qk_norm": "GQA: RMS norm of queries and keys: 'none', 'head' (per head, Qwen3) or 'full' "
+    "(whole projections, OLMoE).",
     "moe_weights_before_down": "Routing weights scale the experts' hidden units before the "
     "down projection, not their outputs (the same function; no expert outputs kept for the "
     "backward).",

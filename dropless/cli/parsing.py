@@ -14,8 +14,13 @@ import tyro
 
 from dropless.cli.config_file import load_yaml_config, replace_checked
 from dropless.cli.help import HELP_FLAGS, full_help, short_help
-from dropless.cli.options import PresetsCommand, TrainCommand, backend_names, to_options
-from dropless.models.deepseek_v3 import get_preset
+from dropless.cli.options import (
+    PresetsCommand,
+    TrainCommand,
+    backend_names,
+    to_options,
+)
+from dropless.models import get_preset
 from dropless.train.config import TrainConfig
 from dropless.train.store.layout import CHECKPOINT_DIR, CONFIG_FILE
 from dropless.train.store.resume import saved_run_config

@@ -5,7 +5,7 @@ import sys
 from collections.abc import Sequence
 
 from dropless.cli.config_file import apply_overrides
-from dropless.models.deepseek_v3 import get_preset
+from dropless.models import get_preset
 from dropless.train.config import TrainConfig
 from dropless.train.plan.plan import EXCHANGES, FSDP_GATHERS, format_plan, parse_bytes, plan
 

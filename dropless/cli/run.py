@@ -9,7 +9,8 @@ import time
 from dropless.backends import resolve_backend_name
 from dropless.cli.options import TrainCommand
 from dropless.files import disk_error, is_disk_error
-from dropless.models.deepseek_v3 import PRESETS, count_params, get_preset
+from dropless.models import PRESETS, get_preset
+from dropless.models.deepseek_v3 import count_params
 from dropless.train.loop.callbacks import EvalLines, ProgressBar
 from dropless.train.loop.data_source import DataSource, fit_vocab, open_data
 from dropless.train.loop.loop import TrainingDiverged, TrainingPreempted, train
@@ -25,17 +26,22 @@ SAMPLE_TEMPERATURE = 0.8
 
 
 def list_presets() -> None:
-    """Prints every model preset with its total, active and MTP parameter counts."""
+    """Prints every model preset with its family (Hugging Face model type) and its total,
+    active and MTP parameter counts."""
 
     def human(n: int) -> str:
         if n == 0:
             return "-"
+        if n >= 1e12:
+            return f"{n / 1e12:.2f}T"
         return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
-    print(f"{'preset':<18} {'total':>8} {'active':>8} {'mtp':>8}")
+    print(f"{'preset':<18} {'family':<12} {'total':>8} {'active':>8} {'mtp':>8}")
     for name in PRESETS:
-        count = count_params(get_preset(name))
-        print(f"{name:<18} {human(count.total):>8} {human(count.active):>8} {human(count.mtp):>8}")
+        config = get_preset(name)
+        count = count_params(config)
+        sizes = f"{human(count.total):>8} {human(count.active):>8} {human(count.mtp):>8}"
+        print(f"{name:<18} {config.model_type:<12} {sizes}")
 
 
 def _describe(results, elapsed: float) -> str:

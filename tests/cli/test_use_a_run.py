@@ -7,13 +7,14 @@ module; the tests that read it are slow (compiling the tiny model on a CPU)."""
 import json
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
 
 from dropless import cli
 from dropless.data import ByteTokenizer
-from dropless.models.deepseek_v3 import save_pretrained
+from dropless.models.deepseek_v3 import from_pretrained, save_pretrained
 from dropless.train import load_run
 
 slow = pytest.mark.slow
@@ -144,3 +145,31 @@ def test_generate_from_a_hugging_face_checkpoint(run_dir, tmp_path, capsys):
     assert out.startswith("the")
     assert cli.main([*args, "--step", "1"]) == 2
     assert "--step" in one_line_error(capsys, "generate")
+
+
+@slow
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "mixtral-tiny"])
+def test_other_families_train_eval_generate_and_export(run_dir, preset, tmp_path, capsys):
+    """The same commands for the grouped-query-attention families: train a preset, evaluate
+    the run, generate from it and from its Hugging Face export (its family's config.json)."""
+    data = run_dir.parent / "data"
+    files = ["--data", str(data / "train.bin"), "--eval-data", str(data / "eval.bin")]
+    run = tmp_path / "run"
+    assert cli.main(["train", "--preset", preset, *TRAIN, *files, "--out-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert cli.main(["eval", str(run)]) == 0
+    assert "cross-entropy" in capsys.readouterr().out
+    args = ["--prompt", "the", "--max-new-tokens", "6", "--temperature", "0"]
+    assert cli.main(["generate", str(run), *args]) == 0
+    assert capsys.readouterr().out.startswith("the")
+    loaded = load_run(run)
+    assert loaded.model_config.model_type == preset.removesuffix("-tiny").replace("-", "_")
+    save_pretrained(loaded.model, loaded.model_config, tmp_path / "hf")
+    ByteTokenizer().save(tmp_path / "hf")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["model_type"] == loaded.model_config.model_type
+    tokens = jnp.arange(12, dtype=jnp.int32)[None] % loaded.model_config.vocab_size
+    exported, _ = from_pretrained(tmp_path / "hf", dtype="float32")
+    np.testing.assert_array_equal(exported(tokens).logits, loaded.model(tokens).logits)
+    assert cli.main(["generate", "--hf", str(tmp_path / "hf"), *args]) == 0
+    assert capsys.readouterr().out.startswith("the")

@@ -211,7 +211,7 @@ def test_infinite_floats_are_rejected(field):
 
 
 def test_rope_scaling_betas():
-    with pytest.raises(ValueError, match=r"beta_fast > beta_slow > 0, got 1 and 32"):
+    with pytest.raises(ValueError, match=r"beta_fast >= beta_slow > 0, got 1 and 32"):
         tiny(rope_scaling={"type": "yarn", "factor": 4, "beta_fast": 1, "beta_slow": 32})
 
 

@@ -1,6 +1,7 @@
-"""Decoding with MLA's latent KV cache: cached logits == the full forward's at every position
-(several configs), greedy generate == a naive argmax loop, sampling settings and
-reproducibility, one compilation per length bucket, equal-length prompts."""
+"""Decoding with the KV cache (MLA's latent one, GQA's keys and values): cached logits == the
+full forward's at every position (several configs, the GQA families' included), greedy
+generate == a naive argmax loop, sampling settings and reproducibility, one compilation per
+length bucket, equal-length prompts."""
 
 import importlib
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dropless.models import get_preset as get_any_preset
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
 from dropless.models.deepseek_v3.generate import (
     decode_step,
@@ -53,6 +55,12 @@ CONFIGS = {
     "dense": get_preset("tiny").replace(
         num_hidden_layers=2, first_k_dense_replace=2, num_nextn_predict_layers=0
     ),
+    # grouped-query attention: per-head QK norm, a dense layer first (Qwen3-MoE)
+    "qwen3-moe": get_any_preset("qwen3-moe-tiny", num_hidden_layers=3, first_k_dense_replace=1),
+    # a sliding window shorter than the sequence (Mixtral)
+    "mixtral-window": get_any_preset("mixtral-tiny", num_hidden_layers=2, sliding_window=6),
+    # QK norm over whole projections, one key-value head per query head (OLMoE)
+    "olmoe": get_any_preset("olmoe-tiny", num_hidden_layers=2),
 }
 
 
@@ -119,11 +127,16 @@ def test_cached_decoding_equals_full_forward(models, tokens, name):
     got, cache = cached_logits(model, tokens, PREFIX)
     # Every position: the prefix's from prefill, each later one from its own decode step.
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    # The cache holds the latent and the rope key per layer, not per-head keys and values.
+    # MLA caches the latent and the rope key per layer, not per-head keys and values; GQA its
+    # key-value heads' keys and values.
     layers = [(cache.dense, c.n_dense_layers), (cache.moe, c.n_moe_layers)]
     for stack, n in layers:
         if n == 0:
             assert stack is None
+            continue
+        if c.attention_type == "gqa":
+            shape = (n, BATCH, length_bucket(SEQ), c.kv_heads, c.gqa_head_dim)
+            assert stack.k.shape == stack.v.shape == shape
             continue
         assert stack.latent.shape == (n, BATCH, length_bucket(SEQ), c.kv_lora_rank)
         assert stack.k_rope.shape == (n, BATCH, length_bucket(SEQ), c.qk_rope_head_dim)
@@ -151,8 +164,9 @@ def naive_greedy(model, prompt, new):
     return buf
 
 
-def test_greedy_generate_equals_naive_loop(models, tokens):
-    model = models["tiny"]
+@pytest.mark.parametrize("name", ["tiny", "mixtral-window"])
+def test_greedy_generate_equals_naive_loop(models, tokens, name):
+    model = models[name]
     prompt = np.asarray(tokens[:, :5])
     got = generate(model, prompt, max_new_tokens=SEQ - 5)
     assert got.shape == (BATCH, SEQ) and got.dtype == jnp.int32

@@ -12,6 +12,7 @@ import pytest
 from jaxtyping import TypeCheckError
 
 from dropless.backends import Backend, get_backend, with_backend
+from dropless.models import get_preset as get_any_preset
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     check_tokens,
@@ -417,3 +418,45 @@ def test_empty_batches_and_ids_outside_the_vocabulary_under_jit(model, unchecked
     for bad_id in (vocab, -1, 10 * vocab):
         out = logits(model, jnp.array([[1, 2, bad_id, 4]]))
         assert bool(jnp.isnan(out[:, 2:]).all())
+
+
+# --- the grouped-query-attention families (Qwen3-MoE, Mixtral, OLMoE) ------------------------
+
+FAMILY_PRESETS = ["qwen3-moe-tiny", "mixtral-tiny", "olmoe-tiny"]
+
+
+def plain_loss(model, tokens):
+    logp = jax.nn.log_softmax(model(tokens).logits[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_family_backends_equal_the_default(preset, backend_name, tokens):
+    """Every CPU backend's loss and gradients equal the default strategies' (each backend is
+    held to the MoE oracle in tests/test_moe.py) on each family's model."""
+    model = DeepSeekV3(get_any_preset(preset, num_hidden_layers=2), key=jax.random.key(0))
+    run = eqx.filter_jit(eqx.filter_value_and_grad(plain_loss))
+    loss, grads = run(model, tokens)
+    got_loss, got = run(with_backend(model, get_backend(backend_name)), tokens)
+    np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_sliding_window_bounds_what_a_position_sees(tokens):
+    """Two layers with a window of 3: position t reads positions t - 4 .. t, no further."""
+    config = get_any_preset("mixtral-tiny", num_hidden_layers=2, sliding_window=3)
+    model = DeepSeekV3(config, key=jax.random.key(0))
+    emb = jnp.take(model.embed_tokens, tokens, axis=0)
+
+    @jax.jit
+    def reach(emb, t):
+        def f(e):
+            return jnp.sum(model.from_embeddings(e).logits[0, t] ** 2)
+
+        return jnp.abs(jax.grad(f)(emb)).sum(-1)[0]
+
+    for t in (2, 9, SEQ - 1):
+        seen = np.asarray(reach(emb, t)) > 0
+        np.testing.assert_array_equal(np.flatnonzero(seen), np.arange(max(t - 4, 0), t + 1))

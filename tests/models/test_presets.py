@@ -1,8 +1,11 @@
 """Presets: counts against a formula derived here, the 671B config against DeepSeek's published
-numbers and config.json, and the preset registry."""
+numbers and config.json, the other families' (Qwen3-MoE, Mixtral, OLMoE, Kimi K2) against
+theirs, and the preset registries."""
 
 import pytest
 
+from dropless.models import PRESETS as ALL_PRESETS
+from dropless.models import get_preset as get_any_preset
 from dropless.models.deepseek_v3 import PRESETS, DeepSeekV3Config, count_params, get_preset
 
 
@@ -151,3 +154,59 @@ def test_overrides_are_validated():
     assert get_preset("tiny", compute_dtype="bfloat16").compute_dtype == "bfloat16"
     with pytest.raises(ValueError, match="n_group"):
         get_preset("tiny", n_group=5)
+
+
+# --- the other families ---------------------------------------------------------------------
+
+GQA_PRESETS = [n for n in ALL_PRESETS if ALL_PRESETS[n]().attention_type == "gqa"]
+
+
+def gqa_analytic_counts(c: DeepSeekV3Config) -> tuple[int, float]:
+    """(total, active) of a grouped-query-attention model, term by term."""
+    d, h, kv, hd = c.hidden_size, c.num_attention_heads, c.kv_heads, c.gqa_head_dim
+    norms = {"none": 0, "head": 2 * hd, "full": h * hd + kv * hd}[c.qk_norm]
+    attn = d * h * hd + 2 * d * kv * hd + h * hd * d + norms + 2 * d
+    routed = c.n_routed_experts * 3 * d * c.moe_intermediate_size
+    moe_layer = attn + routed + c.n_routed_experts * d
+    dense_layer = attn + 3 * d * c.intermediate_size
+    n_moe = c.num_hidden_layers - c.first_k_dense_replace
+    emb = c.vocab_size * d
+    head = 0 if c.tie_word_embeddings else emb
+    total = emb + head + d + c.first_k_dense_replace * dense_layer + n_moe * moe_layer
+    unused = routed * (1 - c.num_experts_per_tok / c.n_routed_experts)
+    return total, total - n_moe * unused
+
+
+@pytest.mark.parametrize("name", GQA_PRESETS)
+def test_gqa_counts_match_formula(name):
+    c = get_any_preset(name)
+    got, (total, active) = count_params(c), gqa_analytic_counts(c)
+    assert got.total == total
+    assert got.active == pytest.approx(active, abs=1)
+    assert got.mtp == got.expert_bias == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "digits", "active"),
+    [
+        # model cards: Qwen3-30B-A3B "30.5B in total and 3.3B activated"; Mixtral-8x7B 46.7B
+        # and 12.9B (Mistral AI's announcement); OLMoE-1B-7B 6.9B and 1.3B (the OLMoE paper);
+        # Kimi K2 "1T total, 32B activated" (Kimi-K2-Instruct's model card)
+        ("qwen3-30b-a3b", 30.5e9, 3, 3.3e9),
+        ("mixtral-8x7b", 46.7e9, 3, 12.9e9),
+        ("olmoe-1b-7b", 6.9e9, 2, 1.3e9),
+        ("kimi-k2", 1e12, 1, 32e9),
+    ],
+)
+def test_family_presets_match_published_numbers(name, total, digits, active):
+    p = count_params(get_any_preset(name))
+    assert f"{p.total:.{digits}g}" == f"{total:.{digits}g}"  # to the digits published
+    assert p.active == pytest.approx(active, rel=0.03)
+
+
+def test_family_tiny_presets_are_tiny_and_registered():
+    for name in ("qwen3-moe-tiny", "mixtral-tiny", "olmoe-tiny"):
+        assert 0.7e6 < count_params(get_any_preset(name)).total < 1.5e6
+    assert set(PRESETS) < set(ALL_PRESETS)
+    with pytest.raises(ValueError, match="known presets: .*olmoe-1b-7b"):
+        get_any_preset("olmoe-2b")

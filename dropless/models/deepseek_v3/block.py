@@ -5,6 +5,7 @@ import jax
 from jaxtyping import Array, Float
 
 from dropless.moe import MoE, MoEStats
+from dropless.nn.attention import GQA
 from dropless.nn.mla import MLA
 from dropless.nn.rmsnorm import RMSNorm
 from dropless.swiglu import SwiGLU
@@ -14,11 +15,11 @@ class DecoderBlock(eqx.Module):
     """One transformer layer, named as in Hugging Face DeepSeek-V3 (`model.layers.N.*`)."""
 
     input_layernorm: RMSNorm
-    self_attn: MLA
+    self_attn: MLA | GQA
     post_attention_layernorm: RMSNorm
     mlp: SwiGLU | MoE
 
-    def __init__(self, self_attn: MLA, mlp: SwiGLU | MoE, dim: int, *, eps: float, dtype):
+    def __init__(self, self_attn: MLA | GQA, mlp: SwiGLU | MoE, dim: int, *, eps: float, dtype):
         self.input_layernorm = RMSNorm(dim, eps=eps, dtype=dtype)
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(dim, eps=eps, dtype=dtype)

@@ -10,6 +10,10 @@ from typing import Any
 import jax.numpy as jnp
 
 from dropless.field_types import field_type_error, is_number
+from dropless.models.mixtral.config import MIXTRAL
+from dropless.models.olmoe.config import OLMOE
+from dropless.models.qwen3_moe.config import QWEN3_MOE
+from dropless.nn.attention import QK_NORMS
 from dropless.nn.rope import ROPE_TYPES, rope_type
 from dropless.routing import RoutingSpec
 
@@ -18,6 +22,10 @@ SCORING_FUNCS = ("sigmoid", "softmax")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("xla", "cudnn")
+ATTENTION_TYPES = ("mla", "gqa")
+# The other Hugging Face families a config maps to, by model type (`dropless.models.hf_family`).
+FAMILIES = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, OLMOE)}
+MODEL_TYPES = ("deepseek_v3", *FAMILIES)
 
 # Settings that are dropless's own (not in a Hugging Face config.json).
 DROPLESS_FIELDS = (
@@ -29,6 +37,8 @@ DROPLESS_FIELDS = (
     "loss_chunk",
     "logits_dtype",
     "moe_weights_before_down",
+    "attention_type",
+    "qk_norm",
 )
 
 # A `model_type: deepseek_v2` config.json leaves these at DeepSeek-V2's defaults, not V3's.
@@ -51,6 +61,12 @@ class DeepSeekV3Config:
     topk_method: "noaux_tc" (V3: expert bias for selection, groups ranked by their top-2 sum),
     "group_limited_greedy" (V2: groups ranked by their best score) or "greedy" (no groups).
     The first `first_k_dense_replace` layers are dense SwiGLU (`intermediate_size`), the rest MoE.
+    `attention_type` "gqa" replaces MLA by grouped-query attention (`dropless.nn.GQA`:
+    `num_key_value_heads` and `head_dim`, None for one per query head and hidden_size /
+    num_attention_heads; `qk_norm` "none" | "head" | "full"; `sliding_window`), as in the
+    Qwen3-MoE, Mixtral and OLMoE families; `model_type` names the Hugging Face family whose
+    checkpoints the config maps to ("deepseek_v3", "qwen3_moe", "mixtral", "olmoe":
+    `dropless.models.hf_family`).
     dropless settings: `param_dtype`/`compute_dtype` ("float32" | "bfloat16"; bf16 compute casts
     weights at use, norms, softmax and routing stay float32), `remat` ("none" | "full" | "dots" |
     "dots_no_batch", a `jax.checkpoint` policy per scanned layer), `attention_impl` ("xla"
@@ -95,6 +111,11 @@ class DeepSeekV3Config:
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 1
+    # the Hugging Face family, and grouped-query attention (attention_type "gqa")
+    model_type: str = "deepseek_v3"
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    sliding_window: int | None = None
     # dropless settings
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
@@ -104,6 +125,8 @@ class DeepSeekV3Config:
     loss_chunk: int | None = None
     logits_dtype: str = "float32"
     moe_weights_before_down: bool = False
+    attention_type: str = "mla"
+    qk_norm: str = "none"
 
     def __post_init__(self):
         if self.rope_scaling is not None:  # a private copy: the caller's dict may change later
@@ -127,7 +150,25 @@ class DeepSeekV3Config:
     # --- derived sizes -------------------------------------------------------------------------
     @property
     def qk_head_dim(self) -> int:
+        """Query and key width per head (MLA: nope + rope; GQA: `gqa_head_dim`)."""
+        if self.attention_type == "gqa":
+            return self.gqa_head_dim
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """Value width per head (MLA: `v_head_dim`; GQA: `gqa_head_dim`)."""
+        return self.gqa_head_dim if self.attention_type == "gqa" else self.v_head_dim
+
+    @property
+    def gqa_head_dim(self) -> int:
+        """GQA's head width: `head_dim`, or hidden_size / num_attention_heads when None."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """GQA's key-value heads: `num_key_value_heads`, or one per query head when None."""
+        return self.num_key_value_heads or self.num_attention_heads
 
     @property
     def n_dense_layers(self) -> int:
@@ -175,8 +216,14 @@ class DeepSeekV3Config:
 
         `overrides` set any field, e.g. the dropless settings, which config.json does not hold.
         """
-        values: dict[str, Any] = dict(_V2_DEFAULTS) if hf.get("model_type") == "deepseek_v2" else {}
-        values.update(hf)
+        model_type = hf.get("model_type", "deepseek_v3")
+        if model_type in FAMILIES:
+            values = FAMILIES[model_type].from_hf(hf)
+        else:
+            values = dict(_V2_DEFAULTS) if model_type == "deepseek_v2" else {}
+            values.update(hf, model_type="deepseek_v3")
+            for name in ("num_key_value_heads", "head_dim", "sliding_window"):
+                values.pop(name, None)  # MLA's heads: not grouped-query attention's fields
         if "rope_parameters" in values and "rope_scaling" not in values:  # transformers >= 5
             params = dict(values["rope_parameters"])
             values.setdefault("rope_theta", params.pop("rope_theta", 10000.0))
@@ -204,8 +251,14 @@ class DeepSeekV3Config:
             return cls.from_hf_config(json.load(f), **overrides)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """A Hugging Face DeepSeek-V3 config dict (without dropless's own settings)."""
-        out = {f: getattr(self, f) for f in _names() if f not in DROPLESS_FIELDS}
+        """A Hugging Face config dict of `model_type`'s family (without dropless's own
+        settings)."""
+        if self.model_type != "deepseek_v3":
+            return FAMILIES[self.model_type].to_hf(self)
+        if self.attention_type != "mla":
+            _fail("a deepseek_v3 checkpoint has attention_type 'mla'")
+        gqa = ("model_type", "num_key_value_heads", "head_dim", "sliding_window")
+        out = {f: getattr(self, f) for f in _names() if f not in DROPLESS_FIELDS + gqa}
         out["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
         out["model_type"] = "deepseek_v3"
         out["architectures"] = ["DeepseekV3ForCausalLM"]
@@ -263,6 +316,7 @@ def _validate(c: DeepSeekV3Config) -> None:
         _fail(f"rms_norm_eps ({c.rms_norm_eps}) must be > 0 and finite")
     if c.hidden_act != "silu":
         _fail(f"hidden_act ({c.hidden_act!r}) must be 'silu' (SwiGLU)")
+    _validate_attention(c)
     if c.attention_bias:
         _fail("attention_bias (True) is not supported: DeepSeek projections have no bias")
     if c.loss_chunk is not None and c.loss_chunk < 1:
@@ -276,6 +330,31 @@ def _validate(c: DeepSeekV3Config) -> None:
     ):
         if getattr(c, name) not in allowed:
             _fail(f"{name} ({getattr(c, name)!r}) must be one of {allowed}")
+
+
+def _validate_attention(c: DeepSeekV3Config) -> None:
+    for name, allowed in (
+        ("attention_type", ATTENTION_TYPES),
+        ("qk_norm", QK_NORMS),
+        ("model_type", MODEL_TYPES),
+    ):
+        if getattr(c, name) not in allowed:
+            _fail(f"{name} ({getattr(c, name)!r}) must be one of {allowed}")
+    for name in ("num_key_value_heads", "head_dim", "sliding_window"):
+        if getattr(c, name) is not None and getattr(c, name) < 1:
+            _fail(f"{name} ({getattr(c, name)}) must be >= 1, or None")
+    if c.attention_type == "mla":
+        for name, default in (("qk_norm", "none"), ("sliding_window", None)):
+            if getattr(c, name) != default:
+                _fail(f"{name} ({getattr(c, name)!r}) needs attention_type 'gqa'")
+        return
+    if c.num_attention_heads % c.kv_heads:
+        _fail(
+            f"num_attention_heads ({c.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({c.kv_heads})"
+        )
+    if c.gqa_head_dim < 2 or c.gqa_head_dim % 2:
+        _fail(f"head_dim ({c.gqa_head_dim}) must be even (rope rotates pairs)")
 
 
 def _validate_routing(c: DeepSeekV3Config) -> None:
@@ -332,5 +411,5 @@ def _validate_rope(c: DeepSeekV3Config) -> None:
         if not original >= 1:
             _fail(f"rope_scaling['original_max_position_embeddings'] ({original}) must be >= 1")
         fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
-        if not fast > slow > 0:
-            _fail(f"rope_scaling needs beta_fast > beta_slow > 0, got {fast} and {slow}")
+        if not fast >= slow > 0:
+            _fail(f"rope_scaling needs beta_fast >= beta_slow > 0, got {fast} and {slow}")

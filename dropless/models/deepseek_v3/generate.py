@@ -1,10 +1,12 @@
-"""Autoregressive decoding of a `DeepSeekV3` with MLA's latent KV cache.
+"""Autoregressive decoding of a `DeepSeekV3` with its KV cache (MLA's latent one, or
+grouped-query attention's keys and values).
 
 `prefill` runs a chunk of tokens (the prompt) through the model, filling the cache; each
-`decode_step` runs one more token per row at a given position. Both attend in the absorbed form
-(`kv_cache.absorbed_attention`) and give the logits that `model(tokens)` gives at the same
-positions. MoE layers route every token as in training (dropless; their statistics are
-dropped). Only the main head decodes: MTP modules are not used.
+`decode_step` runs one more token per row at a given position. Both attend through the cache
+(`kv_cache.cached_attention`: MLA in the absorbed form) and give the logits that
+`model(tokens)` gives at the same positions. MoE layers route every token as in training
+(dropless; their statistics are dropped). Only the main head decodes: MTP modules are not
+used.
 
 `generate` is the whole loop, compiled once per (batch, prompt bucket, cache bucket): the
 prompt is right-padded to `length_bucket(prompt length)` and the cache holds
@@ -25,11 +27,11 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from dropless.models.deepseek_v3.kv_cache import (
+    HeadCache,
     KVCache,
     LatentCache,
-    absorbed_attention,
+    cached_attention,
     init_cache,
-    latent_kv,
 )
 from dropless.models.deepseek_v3.model import DeepSeekV3, check_tokens
 from dropless.moe import MoE
@@ -52,29 +54,26 @@ def _ffn(block, h: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim
     return y.reshape(batch, seq, dim).astype(h.dtype)
 
 
-def _run_stack(stack, cache: LatentCache | None, h, positions, start):
+def _run_stack(stack, cache: LatentCache | HeadCache | None, h, positions, start):
     """The stacked blocks over `h`, each writing its layer of `cache` at `start` first."""
     if stack is None:
         return h, cache
     arrays, static = eqx.partition(stack, eqx.is_array)
-    n = cache.latent.shape[0]
+    n = jax.tree.leaves(cache)[0].shape[0]
 
     def body(carry, xs):
-        h, latent, k_rope = carry
+        h, cache = carry
         layer_arrays, i = xs
         block = eqx.combine(layer_arrays, static)
-        x = block.input_layernorm(h)
-        new_latent, new_rope = latent_kv(block.self_attn, x, positions)
-        # Written into the whole stack's buffer, which the scan carries: an in-place update.
-        at = (i, jnp.int32(0), start, jnp.int32(0))
-        latent = jax.lax.dynamic_update_slice(latent, new_latent[None].astype(latent.dtype), at)
-        k_rope = jax.lax.dynamic_update_slice(k_rope, new_rope[None].astype(k_rope.dtype), at)
-        h = h + absorbed_attention(block.self_attn, x, positions, latent[i], k_rope[i])
-        return (h + _ffn(block, h), latent, k_rope), None
+        out, cache = cached_attention(
+            block.self_attn, block.input_layernorm(h), positions, cache, i, start
+        )
+        h = h + out
+        return (h + _ffn(block, h), cache), None
 
     xs = (arrays, jnp.arange(n, dtype=jnp.int32))
-    (h, latent, k_rope), _ = jax.lax.scan(body, (h, cache.latent, cache.k_rope), xs)
-    return h, LatentCache(latent, k_rope)
+    (h, cache), _ = jax.lax.scan(body, (h, cache), xs)
+    return h, cache
 
 
 def _hidden(

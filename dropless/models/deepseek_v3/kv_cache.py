@@ -12,7 +12,8 @@ W_UV [kv_rank v], which are moved off the cache side of each product:
     sum_t p_t (c_kv[t] W_UV) = (sum_t p_t c_kv[t]) W_UV   values summed in the latent first
 
 The same function as `MLA.__call__`, with its sums taken in another order (float32 rounding
-apart).
+apart). Grouped-query attention (`attention_type` "gqa") caches its rotated keys and values
+(`HeadCache`) and attends with the function its training forward uses (`dropless.nn.attend`).
 """
 
 import equinox as eqx
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from dropless.nn.attention import GQA
 from dropless.nn.mla import MLA
 
 
@@ -31,18 +33,27 @@ class LatentCache(eqx.Module):
     k_rope: Float[Array, "layers batch cache rope"]
 
 
-class KVCache(eqx.Module):
-    """The cache of a `DeepSeekV3`: one `LatentCache` per decoder stack (None where the model
-    has no such stack), laid out like the model's own stacks so that one scan walks both."""
+class HeadCache(eqx.Module):
+    """One stack's grouped-query cache: layer l's rotated keys `k[l, b, t]` and values
+    `v[l, b, t]` of row b at position t. Slots past the positions written hold anything."""
 
-    dense: LatentCache | None
-    moe: LatentCache | None
+    k: Float[Array, "layers batch cache kv_heads head_dim"]
+    v: Float[Array, "layers batch cache kv_heads head_dim"]
+
+
+class KVCache(eqx.Module):
+    """The cache of a `DeepSeekV3`: one `LatentCache` (MLA) or `HeadCache` (GQA) per decoder
+    stack (None where the model has no such stack), laid out like the model's own stacks so
+    that one scan walks both."""
+
+    dense: LatentCache | HeadCache | None
+    moe: LatentCache | HeadCache | None
 
     @property
     def length(self) -> int:
         """Positions the cache holds (its static capacity, not how many are written)."""
         stack = self.dense if self.dense is not None else self.moe
-        return stack.latent.shape[2]
+        return jax.tree.leaves(stack)[0].shape[2]
 
 
 def init_cache(model, batch: int, length: int, dtype=None) -> KVCache:
@@ -51,9 +62,12 @@ def init_cache(model, batch: int, length: int, dtype=None) -> KVCache:
     c = model.config
     dtype = c.compute_jnp_dtype if dtype is None else dtype
 
-    def stack(n: int) -> LatentCache | None:
+    def stack(n: int) -> LatentCache | HeadCache | None:
         if n == 0:
             return None
+        if c.attention_type == "gqa":
+            shape = (n, batch, length, c.kv_heads, c.gqa_head_dim)
+            return HeadCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         return LatentCache(
             jnp.zeros((n, batch, length, c.kv_lora_rank), dtype),
             jnp.zeros((n, batch, length, c.qk_rope_head_dim), dtype),
@@ -106,3 +120,31 @@ def absorbed_attention(
     out_latent = jnp.einsum("bhst,btr->bshr", probs, latent)
     out = jnp.einsum("bshr,rhv->bshv", out_latent, w_uv)
     return out.reshape(batch, seq, h * v) @ attn.o_proj.astype(dt)
+
+
+def cached_attention(
+    attn: MLA | GQA,
+    x: Float[Array, "batch seq dim"],
+    positions: Int[Array, " seq"],
+    cache: LatentCache | HeadCache,
+    layer: Int[Array, ""],
+    start: Int[Array, ""],
+) -> tuple[Float[Array, "batch seq dim"], LatentCache | HeadCache]:
+    """`attn`'s output for `x` at `positions` (= start, start + 1, ...), attending to every
+    cached position at or before each query's, and `cache` (a whole stack's) with `x`'s
+    entries written into layer `layer` first."""
+
+    def write(buf, new):  # into the stack's buffer, which a scan carries: in place
+        at = (layer, jnp.int32(0), start) + (jnp.int32(0),) * (buf.ndim - 3)
+        return jax.lax.dynamic_update_slice(buf, new[None].astype(buf.dtype), at)
+
+    if isinstance(attn, GQA):
+        q, k, v = attn.project(x, positions)
+        cache = HeadCache(write(cache.k, k), write(cache.v, v))
+        keys = jnp.arange(cache.k.shape[2])
+        k, v = cache.k[layer].astype(x.dtype), cache.v[layer].astype(x.dtype)
+        return attn.attend(q, k, v, positions, keys), cache
+    latent, k_rope = latent_kv(attn, x, positions)
+    cache = LatentCache(write(cache.latent, latent), write(cache.k_rope, k_rope))
+    out = absorbed_attention(attn, x, positions, cache.latent[layer], cache.k_rope[layer])
+    return out, cache

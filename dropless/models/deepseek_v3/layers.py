@@ -17,6 +17,7 @@ from dropless.backends import Backend
 from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.moe import MoE, MoEStats
+from dropless.nn.attention import GQA
 from dropless.nn.mla import MLA
 from dropless.nn.unroll import unrolled_scan
 from dropless.precision import cast_for_compute
@@ -29,11 +30,12 @@ REMAT: dict[str, Callable | None] = {
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
-# The blocks' matmul weights (MLA's projections, the SwiGLU and expert weights): each is cast
-# to the compute dtype where it is used, and used once per layer. The router's weight and the
-# norms' are used in float32 and are not listed.
+# The blocks' matmul weights (the attention's projections, the SwiGLU and expert weights): each
+# is cast to the compute dtype where it is used, and used once per layer. The router's weight
+# and the norms' are used in float32 and are not listed.
 MATMUL_WEIGHTS = frozenset(
     {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
+    | {"k_proj", "v_proj"}
     | {"w_gate", "w_up", "w_down"}
 )
 
@@ -53,14 +55,30 @@ def moe_strategies(backend: Backend | None) -> dict[str, Any]:
     return {name: value for name, value in fields.items() if value is not None}
 
 
-def make_block(
-    config: DeepSeekV3Config, *, moe: bool, backend: Backend | None = None, key: PRNGKeyArray
-) -> DecoderBlock:
-    """One decoder block: MLA, then a dense SwiGLU (`intermediate_size`) or the MoE layer
-    (with `backend`'s strategies, see `moe_strategies`)."""
+def make_attention(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> MLA | GQA:
+    """The attention `config.attention_type` names: MLA, or grouped-query attention."""
     c, dt = config, config.param_jnp_dtype
-    k_attn, k_mlp = jax.random.split(key)
-    attn = MLA(
+    rope = dict(
+        rope_theta=c.rope_theta,
+        rope_scaling=c.rope_scaling,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_interleave=c.rope_interleave,
+    )
+    if c.attention_type == "gqa":
+        return GQA(
+            c.hidden_size,
+            c.num_attention_heads,
+            c.kv_heads,
+            c.gqa_head_dim,
+            qk_norm=c.qk_norm,
+            window=c.sliding_window,
+            eps=c.rms_norm_eps,
+            impl=c.attention_impl,
+            dtype=dt,
+            key=key,
+            **rope,
+        )
+    return MLA(
         c.hidden_size,
         c.num_attention_heads,
         q_lora_rank=c.q_lora_rank,
@@ -68,16 +86,24 @@ def make_block(
         qk_nope_head_dim=c.qk_nope_head_dim,
         qk_rope_head_dim=c.qk_rope_head_dim,
         v_head_dim=c.v_head_dim,
-        rope_theta=c.rope_theta,
-        rope_scaling=c.rope_scaling,
-        max_position_embeddings=c.max_position_embeddings,
-        rope_interleave=c.rope_interleave,
         # the latent norms keep MLA's own 1e-6 whatever rms_norm_eps says, as DeepSeek's and
         # transformers' code do
         impl=c.attention_impl,
         dtype=dt,
-        key=k_attn,
+        key=key,
+        **rope,
     )
+
+
+def make_block(
+    config: DeepSeekV3Config, *, moe: bool, backend: Backend | None = None, key: PRNGKeyArray
+) -> DecoderBlock:
+    """One decoder block: attention (`make_attention`), then a dense SwiGLU
+    (`intermediate_size`) or the MoE layer (with `backend`'s strategies, see
+    `moe_strategies`)."""
+    c, dt = config, config.param_jnp_dtype
+    k_attn, k_mlp = jax.random.split(key)
+    attn = make_attention(c, key=k_attn)
     if moe:
         mlp = MoE(
             c.hidden_size,

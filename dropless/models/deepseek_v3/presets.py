@@ -1,4 +1,4 @@
-"""Named model sizes, from a CPU-test toy to the exact DeepSeek-V3 671B shapes.
+"""Named model sizes, from a CPU-test toy to the exact DeepSeek-V3 671B and Kimi K2 shapes.
 
 | name               | total  | active | MTP    | use                                          |
 |--------------------|--------|--------|--------|----------------------------------------------|
@@ -7,6 +7,7 @@
 | `proxy-2b`         | 1.97B  | 0.33B  | 0.11B  | single-GPU proxy of DeepSeek-V3's routing    |
 | `deepseek-v2-lite` | 15.7B  | 2.66B  | -      | DeepSeek-V2-Lite (no q LoRA, greedy softmax) |
 | `deepseek-v3-671b` | 671.0B | 37.6B  | 11.6B  | DeepSeek-V3 exactly                          |
+| `kimi-k2`          | 1.03T  | 32.9B  | -      | Kimi K2 exactly (384 experts, 64 heads)      |
 
 Active counts include the embedding and head. `count_params` gives the exact numbers;
 `tests/models/test_presets.py` checks them.
@@ -176,12 +177,31 @@ def deepseek_v3_671b() -> DeepSeekV3Config:
     )
 
 
+def kimi_k2() -> DeepSeekV3Config:
+    """Kimi K2 (Moonshot AI), as in Kimi-K2-Instruct's config.json: DeepSeek-V3's architecture
+    with 384 routed experts (top-8, one group), 64 heads, one dense layer, no MTP."""
+    return deepseek_v3_671b().replace(
+        vocab_size=163840,
+        num_attention_heads=64,
+        n_routed_experts=384,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.827,
+        max_position_embeddings=131072,
+        rope_theta=50000.0,
+        rope_scaling={**_V3_YARN, "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0},
+        num_nextn_predict_layers=0,
+    )
+
+
 PRESETS: dict[str, Callable[[], DeepSeekV3Config]] = {
     "tiny": tiny,
     "small": small,
     "proxy-2b": proxy_2b,
     "deepseek-v2-lite": deepseek_v2_lite,
     "deepseek-v3-671b": deepseek_v3_671b,
+    "kimi-k2": kimi_k2,
 }
 
 

@@ -47,7 +47,7 @@ def flops_per_token(config: DeepSeekV3Config, seq: int) -> float:
     head = counts.head or counts.embedding  # a tied head reuses the embedding matrix
     matmul_params = counts.active - counts.embedding + counts.mtp_active + depth * head
     layers = config.num_hidden_layers + depth
-    attention = 2 * seq * config.num_attention_heads * (config.qk_head_dim + config.v_head_dim)
+    attention = 2 * seq * config.num_attention_heads * (config.qk_head_dim + config.value_head_dim)
     return float(6 * matmul_params + 3 * layers * attention)
 
 

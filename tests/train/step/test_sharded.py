@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from dropless import sharding
 from dropless.backends import get_backend, with_backend
 from dropless.backends.ep import ep_backend
+from dropless.models import get_preset as get_any_preset
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
 from dropless.moe import MoE
 from dropless.precision import apply_updates
@@ -150,14 +151,19 @@ def test_sharded_step_keeps_parameter_dtypes():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("unroll", [False, True], ids=["scan", "unrolled"])
-def test_deepseek_v3_tiny_sharded_gradient_step_equals_unsharded(unroll):
+@pytest.mark.parametrize(
+    ("preset", "unroll"),
+    [("tiny", False), ("tiny", True), ("qwen3-moe-tiny", False), ("olmoe-tiny", False)],
+    ids=["scan", "unrolled", "qwen3-moe", "olmoe"],
+)
+def test_tiny_sharded_gradient_step_equals_unsharded(preset, unroll):
     # Unrolled: two MoE layers, so that their stacks are split and their gradients written
     # back slice by slice. The reference runs the same split, so this checks the sharded
-    # layout (on a CPU the gradient buffer starts as zeros, not uninitialised).
+    # layout (on a CPU the gradient buffer starts as zeros, not uninitialised). The other
+    # families: grouped-query attention's weights sharded as well.
     n_layers = 3 if unroll else 2
-    config = get_preset(
-        "tiny", num_hidden_layers=n_layers, num_nextn_predict_layers=0, unroll_layers=unroll
+    config = get_any_preset(
+        preset, num_hidden_layers=n_layers, num_nextn_predict_layers=0, unroll_layers=unroll
     )
     model = DeepSeekV3(config, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (8, 9), 0, config.vocab_size)

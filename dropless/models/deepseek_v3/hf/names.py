@@ -29,9 +29,14 @@ from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.models.deepseek_v3.model import DeepSeekV3
 
 # Hugging Face nn.Linear names whose [out in] weight dropless stores as [in out] (MLA, dense MLP).
-_ATTN_PROJ = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-_ATTN_NORMS = ("q_a_layernorm", "kv_a_layernorm")
+_ATTN_PROJ = (
+    *("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+    *("k_proj", "v_proj"),  # grouped-query attention
+)
+_ATTN_NORMS = ("q_a_layernorm", "kv_a_layernorm", "q_norm", "k_norm")
 _SWIGLU = (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down"))
+# Mixtral's release: `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down).
+_MIXTRAL_SWIGLU = (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down"))
 
 # "model.layers.{L}.mlp.experts.gate_up_proj" and ".down_proj": the fused layout of a layer.
 FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -125,10 +130,15 @@ def tensor_table(
             add(f"{hf}.mlp.experts.gate_up_proj", gate, up)
             add(f"{hf}.mlp.experts.down_proj", Slot(f"{experts}.w_down", index, True))
             return
+        mlp_name, names = "mlp", _SWIGLU
+        if config.model_type == "mixtral":
+            mlp_name, names = "block_sparse_moe", _MIXTRAL_SWIGLU
+            router = f"{hf}.{mlp_name}.gate.weight"
+            table[router] = dataclasses.replace(table.pop(f"{hf}.mlp.gate.weight"), name=router)
         for e in range(leaves[f"{experts}.w_gate"][len(index)]):
-            for name, w in _SWIGLU:
+            for name, w in names:
                 expert = Slot(f"{experts}.{w}", (*index, e), True)
-                add(f"{hf}.mlp.experts.{e}.{name}.weight", expert)
+                add(f"{hf}.{mlp_name}.experts.{e}.{name}.weight", expert)
 
     add("model.embed_tokens.weight", Slot("embed_tokens", (), False))
     first_k, n_layers = config.first_k_dense_replace, config.num_hidden_layers

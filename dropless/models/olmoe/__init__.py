@@ -1,0 +1,7 @@
+"""OLMoE: `DeepSeekV3` built with grouped-query attention (QK norm over whole projections)
+and softmax top-k routing; its config.json mapping (`OLMOE`); presets in `.presets` (the family's
+sizes, listed in `dropless.models.PRESETS`)."""
+
+from dropless.models.olmoe.config import OLMOE
+
+__all__ = ["OLMOE"]

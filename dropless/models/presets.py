@@ -1,0 +1,29 @@
+"""Every family's named sizes in one table: DeepSeek-V3's (`deepseek_v3.PRESETS`, Kimi K2
+included), Qwen3-MoE's, Mixtral's and OLMoE's. `dropless presets` lists them."""
+
+from collections.abc import Callable
+from typing import Any
+
+from dropless.models import deepseek_v3
+from dropless.models.deepseek_v3.config import DeepSeekV3Config
+from dropless.models.mixtral.presets import mixtral_8x7b, mixtral_tiny
+from dropless.models.olmoe.presets import olmoe_1b_7b, olmoe_tiny
+from dropless.models.qwen3_moe.presets import qwen3_30b_a3b, qwen3_moe_tiny
+
+PRESETS: dict[str, Callable[[], DeepSeekV3Config]] = {
+    **deepseek_v3.PRESETS,
+    "qwen3-moe-tiny": qwen3_moe_tiny,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
+    "mixtral-tiny": mixtral_tiny,
+    "mixtral-8x7b": mixtral_8x7b,
+    "olmoe-tiny": olmoe_tiny,
+    "olmoe-1b-7b": olmoe_1b_7b,
+}
+
+
+def get_preset(name: str, **overrides: Any) -> DeepSeekV3Config:
+    """The named preset of any family, with any fields overridden."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    config = PRESETS[name]()
+    return config.replace(**overrides) if overrides else config
