@@ -8,6 +8,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from dropless import balance
 from dropless.backends.chunked import ChunkedGroupedMatmul
 from dropless.backends.sort import SortDispatcher
+from dropless.bias_update import AbstractBiasUpdate, SignBiasUpdate
 from dropless.dispatch import AbstractDispatcher, require_row_weights
 from dropless.experts import AbstractGroupedMatmul, GroupedExperts
 from dropless.routing import AbstractTopK, JnpTopK, Routing, RoutingSpec, TopKRouter
@@ -27,6 +28,8 @@ class MoEStats(eqx.Module):
     seq_balance_loss: Float[Array, ""]  # DeepSeek-V3 sequence-wise
     z_loss: Float[Array, ""]
     dropped: Float[Array, ""]  # copies not computed (always 0 unless an EP buffer overflowed)
+    router_probability: Float[Array, " experts"]  # P of the balance losses (differentiable)
+    router_entropy: Float[Array, ""]  # mean entropy of each token's normalised scores (nats)
     expert_ids: Int[Array, "tokens k"] | None = None
     weights: Float[Array, "tokens k"] | None = None
 
@@ -68,6 +71,8 @@ def routing_stats(
         seq_balance_loss=balance.sequence_balance_loss(routing, seq_len or tokens),
         z_loss=balance.router_z_loss(routing.logits),
         dropped=jnp.zeros((), jnp.float32) if dropped is None else dropped.astype(jnp.float32),
+        router_probability=balance.router_probability(routing.scores),
+        router_entropy=jax.lax.stop_gradient(balance.router_entropy(routing.scores)),
         expert_ids=routing.expert_ids if return_routing else None,
         weights=routing.weights if return_routing else None,
     )
@@ -77,8 +82,9 @@ class MoE(eqx.Module):
     """DeepSeekMoE layer on flat tokens: routed experts (dropless) plus optional shared experts.
 
     The strategies are values: `topk` (the router's top-k), `dispatcher` and `gmm` (the experts'
-    grouped matmul), by default the portable jnp ones. `dropless.with_backend` swaps them in a
-    built model without touching any array.
+    grouped matmul), by default the portable jnp ones, and `bias_update` (the router's
+    aux-loss-free bias rule, `dropless.bias_update`; the sign rule by default).
+    `dropless.with_backend` swaps the first three in a built model without touching any array.
 
     `weights_before_down`: each copy's routing weight scales its hidden units, before the
     experts' down projection, and the combine only sums. The same function (the projection is
@@ -104,6 +110,7 @@ class MoE(eqx.Module):
         dispatcher: AbstractDispatcher = SortDispatcher(),  # noqa: B008 (immutable)
         gmm: AbstractGroupedMatmul = ChunkedGroupedMatmul(),  # noqa: B008 (immutable)
         topk: AbstractTopK = JnpTopK(),  # noqa: B008 (immutable)
+        bias_update: AbstractBiasUpdate = SignBiasUpdate(),  # noqa: B008 (immutable)
         weights_before_down: bool = False,
         key: PRNGKeyArray,
     ):
@@ -124,7 +131,9 @@ class MoE(eqx.Module):
             if not isinstance(value, kind):
                 raise TypeError(f"MoE: {name} must be an {kind.__name__}, got {value!r}")
         k_router, k_experts, k_shared = jax.random.split(key, 3)
-        self.router = TopKRouter(dim, spec, dtype=dtype, topk=topk, key=k_router)
+        self.router = TopKRouter(
+            dim, spec, dtype=dtype, topk=topk, bias_update=bias_update, key=k_router
+        )
         self.experts = GroupedExperts(
             spec.n_routed_experts, dim, moe_intermediate_size, gmm=gmm, dtype=dtype, key=k_experts
         )
@@ -144,10 +153,12 @@ class MoE(eqx.Module):
         *,
         seq_len: int | None = None,
         return_routing: bool = False,
+        replay: Int[Array, "tokens k"] | None = None,
     ) -> tuple[Float[Array, "tokens dim"], MoEStats]:
         """`seq_len` groups tokens into sequences for the sequence-wise balance loss;
         `return_routing` (a Python bool) puts the routing's `expert_ids` and `weights` in the
-        stats."""
+        stats; `replay` (expert ids recorded so) routes the tokens to those experts instead of
+        the router's top-k, with weights from the router's scores (`replay_routing`)."""
         dim = self.router.w_router.shape[1]
         if x.ndim != 2 or x.shape[1] != dim:
             raise ValueError(f"MoE: x must be [tokens dim] with dim = {dim}, got shape {x.shape}")
@@ -160,7 +171,7 @@ class MoE(eqx.Module):
             )
         if seq_len is not None and seq_len < 1:
             raise ValueError(f"MoE: seq_len ({seq_len}) must be >= 1, or None for one sequence")
-        routing = self.router(x)
+        routing = self.router(x, replay)
         dispatched = self.dispatcher.dispatch(x, routing)
         if self.weights_before_down:
             dispatcher = require_row_weights(self.dispatcher)

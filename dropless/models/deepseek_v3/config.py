@@ -9,6 +9,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from dropless.bias_update import BIAS_UPDATES
 from dropless.field_types import field_type_error, is_number
 from dropless.nn.rope import ROPE_TYPES, rope_type
 from dropless.routing import RoutingSpec
@@ -61,7 +62,9 @@ class DeepSeekV3Config:
     `logits_dtype` ("float32" | "bfloat16": what the vocabulary head's matmul writes, its
     accumulation float32 either way; the cross-entropy reduces in float32 either way) and
     `moe_weights_before_down` (the routing weights scale the experts' hidden units before the
-    down projection instead of their outputs: `MoE(weights_before_down=True)`).
+    down projection instead of their outputs: `MoE(weights_before_down=True)`) and
+    `bias_update` (the aux-loss-free bias rule of "noaux_tc" routers, a name of
+    `dropless.bias_update.BIAS_UPDATES`: "sign", DeepSeek-V3's, or "proportional").
     Training knobs (loss weights, bias update rate) live in `dropless.train.TrainConfig`.
     """
 
@@ -104,6 +107,7 @@ class DeepSeekV3Config:
     loss_chunk: int | None = None
     logits_dtype: str = "float32"
     moe_weights_before_down: bool = False
+    bias_update: str = "sign"
 
     def __post_init__(self):
         if self.rope_scaling is not None:  # a private copy: the caller's dict may change later
@@ -273,6 +277,7 @@ def _validate(c: DeepSeekV3Config) -> None:
         ("logits_dtype", tuple(DTYPES)),
         ("remat", REMAT_POLICIES),
         ("attention_impl", ATTENTION_IMPLS),
+        ("bias_update", tuple(BIAS_UPDATES)),
     ):
         if getattr(c, name) not in allowed:
             _fail(f"{name} ({getattr(c, name)!r}) must be one of {allowed}")

@@ -14,6 +14,7 @@ import jax
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from dropless.backends import Backend
+from dropless.bias_update import BIAS_UPDATES
 from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.moe import MoE, MoEStats
@@ -86,6 +87,7 @@ def make_block(
             n_shared_experts=c.n_shared_experts,
             dtype=dt,
             weights_before_down=c.moe_weights_before_down,
+            bias_update=BIAS_UPDATES[c.bias_update],
             key=k_mlp,
             **moe_strategies(backend),
         )

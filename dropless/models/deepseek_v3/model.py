@@ -7,7 +7,6 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from dropless.backends import Backend
-from dropless.balance import update_expert_bias
 from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.models.deepseek_v3.layers import moe_strategies, scan_blocks, stack_blocks
@@ -232,29 +231,21 @@ def check_tokens(tokens: ArrayLike, config: DeepSeekV3Config) -> None:
 def with_updated_expert_bias(
     model: DeepSeekV3, out: ModelOutput, rate: float | Float[Array, ""]
 ) -> DeepSeekV3:
-    """Aux-loss-free balancing step: every router's `expert_bias` moved by `rate` towards balance,
-    from the loads in `out` (main MoE layers and MTP blocks). A no-op without biases."""
+    """Aux-loss-free balancing step: every router's `expert_bias` moved by its rule
+    (`TopKRouter.bias_update`) at `rate` towards balance, from the loads in `out` (main MoE
+    layers and MTP blocks). A no-op without biases."""
 
-    def bias_of(block):
-        return (
-            block.mlp.router.expert_bias
-            if isinstance(block, DecoderBlock) and isinstance(block.mlp, MoE)
-            else None
-        )
+    def router_of(block):
+        is_moe = isinstance(block, DecoderBlock) and isinstance(block.mlp, MoE)
+        return block.mlp.router if is_moe else None
 
-    pairs = [
-        (lambda m: m.moe_layers.mlp.router.expert_bias, bias_of(model.moe_layers), out.moe_stats),
-    ]
+    pairs = [(lambda m: m.moe_layers.mlp.router.expert_bias, router_of(model.moe_layers), out)]
     if model.mtp is not None:
-        pairs.append(
-            (
-                lambda m: m.mtp.layers.block.mlp.router.expert_bias,
-                bias_of(model.mtp.layers.block),
-                out.mtp_moe_stats,
-            )
-        )
-    for where, bias, stats in pairs:
-        if bias is not None:
-            new = update_expert_bias(bias, stats.tokens_per_expert, rate)
+        where_mtp = lambda m: m.mtp.layers.block.mlp.router.expert_bias  # noqa: E731
+        pairs.append((where_mtp, router_of(model.mtp.layers.block), None))
+    for where, router, main in pairs:
+        if router is not None and router.expert_bias is not None:
+            stats = out.moe_stats if main is not None else out.mtp_moe_stats
+            new = router.bias_update(router.expert_bias, stats.tokens_per_expert, rate)
             model = eqx.tree_at(where, model, new)
     return model
