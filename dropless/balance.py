@@ -4,7 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Real
 
 from dropless.bias_update import SignBiasUpdate
 from dropless.routing import Routing
@@ -120,7 +120,7 @@ def coselection(
     return jnp.einsum("te,tf->ef", one_hot, one_hot, preferred_element_type=jnp.int32)
 
 
-def dead_experts(loads: Float[Array, "steps *layers experts"]) -> Int[Array, "*layers"]:
+def dead_experts(loads: Real[Array, "steps *layers experts"]) -> Int[Array, "*layers"]:
     """Experts that no token chose in any of the `steps` loads (per layer)."""
     return jnp.sum(jnp.all(loads == 0, axis=0), axis=-1)
 

@@ -72,6 +72,7 @@ def merged_stats(summed: MoEStats, micro_batches: int) -> MoEStats:
         stats.z_loss,
         stats.router_probability,
         stats.router_entropy,
+        stats.active_experts,
     )
     # tree_at, not MoEStats(...): the fields are stacked over layers
     return eqx.tree_at(
@@ -81,6 +82,7 @@ def merged_stats(summed: MoEStats, micro_batches: int) -> MoEStats:
             s.z_loss,
             s.router_probability,
             s.router_entropy,
+            s.active_experts,
         ),
         stats,
         tuple(mean / micro_batches for mean in means),

@@ -206,10 +206,10 @@ def _global_stats(stats: MoEStats, axes: tuple[str, ...]) -> MoEStats:
     drops of the whole batch (MaxVio recomputed per layer from them); losses stay per shard (the
     caller averages them)."""
     counts, dropped = stats.tokens_per_expert, stats.dropped
-    if axes:
-        counts = jax.lax.psum(counts, axes)
-        dropped = jax.lax.psum(dropped, axes)
-    return with_loads(stats, counts, dropped)
+    if not axes:
+        return stats
+    stats = eqx.tree_at(lambda s: s.zero_tokens, stats, jax.lax.psum(stats.zero_tokens, axes))
+    return with_loads(stats, jax.lax.psum(counts, axes), jax.lax.psum(dropped, axes))
 
 
 def _local_loss(mesh: Mesh, loads: Array | None = None):

@@ -184,6 +184,7 @@ def stats_metrics(out: ModelOutput) -> dict[str, Array]:
         "dropped": stats.dropped.sum(),
         "router_entropy": stats.router_entropy.mean() if max_vio.size else jnp.zeros(()),
         "unused_experts": jnp.sum(stats.tokens_per_expert == 0),
+        "active_experts": stats.active_experts.mean() if max_vio.size else jnp.zeros(()),
     }
 
 
@@ -207,8 +208,9 @@ def train_step(
     batch (`dropless.train.accumulate`), for batches too large for one pass.
 
     Metrics are device arrays: scalars (loss, ce, mtp, balance_loss, seq_balance_loss,
-    global_balance_loss, z_loss, max_vio, dropped, router_entropy (mean over MoE layers),
-    unused_experts (experts no token chose in this step, over all MoE layers), grad_norm,
+    global_balance_loss, z_loss, max_vio, dropped, router_entropy and active_experts (computing
+    experts per token; means over MoE layers), unused_experts (experts no token chose in this
+    step, over all MoE layers), grad_norm,
     update_norm, param_norm, lr) plus `max_vio_layers [layers]` and
     `tokens_per_expert [layers experts]`.
     """

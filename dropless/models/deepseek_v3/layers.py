@@ -88,6 +88,9 @@ def make_block(
             dtype=dt,
             weights_before_down=c.moe_weights_before_down,
             bias_update=BIAS_UPDATES[c.bias_update],
+            n_zero_experts=c.n_zero_experts,
+            zero_output=c.zero_expert_output,
+            active_experts=c.zero_expert_active,
             key=k_mlp,
             **moe_strategies(backend),
         )

@@ -231,6 +231,7 @@ def _empty_stats(config: DeepSeekV3Config, tokens: int, seq: int, return_routing
             config.hidden_size,
             config.moe_intermediate_size,
             config.routing_spec(),
+            n_zero_experts=config.n_zero_experts,
             key=jax.random.key(0),
         )
         x = jnp.zeros((tokens, config.hidden_size))
@@ -271,17 +272,19 @@ def with_updated_expert_bias(
     (`TopKRouter.bias_update`) at `rate` towards balance, from the loads in `out` (main MoE
     layers and MTP blocks). A no-op without biases."""
 
-    def router_of(block):
+    def moe_of(block):
         is_moe = isinstance(block, DecoderBlock) and isinstance(block.mlp, MoE)
-        return block.mlp.router if is_moe else None
+        return block.mlp if is_moe else None
 
-    pairs = [(lambda m: m.moe_layers.mlp.router.expert_bias, router_of(model.moe_layers), out)]
+    pairs = [(lambda m: m.moe_layers.mlp.router.expert_bias, moe_of(model.moe_layers), True)]
     if model.mtp is not None:
         where_mtp = lambda m: m.mtp.layers.block.mlp.router.expert_bias  # noqa: E731
-        pairs.append((where_mtp, router_of(model.mtp.layers.block), None))
-    for where, router, main in pairs:
-        if router is not None and router.expert_bias is not None:
-            stats = out.moe_stats if main is not None else out.mtp_moe_stats
-            new = router.bias_update(router.expert_bias, stats.tokens_per_expert, rate)
+        pairs.append((where_mtp, moe_of(model.mtp.layers.block), False))
+    for where, moe, main in pairs:
+        if moe is not None and moe.router.expert_bias is not None:
+            stats = out.moe_stats if main else out.mtp_moe_stats
+            loads = jnp.concatenate([stats.tokens_per_expert, stats.zero_tokens], -1)
+            bias = moe.router.expert_bias
+            new = moe.router.bias_update(bias, loads, rate, moe.bias_target(loads))
             model = eqx.tree_at(where, model, new)
     return model
