@@ -150,7 +150,8 @@ def main(argv=None) -> list[dict]:
         moe_layers=base_mc.n_moe_layers,
         experts=base_mc.n_routed_experts,
     )
-    write_results(out, "balancing", rows, {**meta, "curves": curves})
+    cosel = {name: c.tolist() for name, c in coselections.items()}
+    write_results(out, "balancing", rows, {**meta, "curves": curves, "coselection": cosel})
     plot(out, curves, coselections, args)
     print_table(rows, f"balancing ({meta['machine']})")
     return rows

@@ -183,6 +183,6 @@ def test_coselection_counts_pairs_directly(perms, k):
 
 
 def test_dead_experts_are_those_never_chosen_over_the_steps():
-    loads = jnp.asarray([[[0, 3, 0, 1], [2, 0, 0, 0]], [[0, 0, 0, 5], [1, 0, 1, 0]]])
+    loads = jnp.asarray([[[0, 3, 0, 1], [2, 0, 0, 0]], [[0, 0, 0, 5], [1, 1, 1, 0]]])
     # layer 0: experts 0 and 2 never chosen; layer 1: expert 3 never chosen
     np.testing.assert_array_equal(balance.dead_experts(loads), [2, 1])

@@ -380,11 +380,11 @@ def test_zero_computation_experts_equal_the_dense_reference(shape, output, befor
 
 def test_zero_experts_bias_target_steers_active_compute():
     spec = RoutingSpec(6, 2, "sigmoid", use_expert_bias=True)
-    moe = MoE(8, 16, spec, n_zero_experts=2, active_experts=1.5, key=jax.random.key(0))
-    loads = jnp.asarray([4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 8.0, 8.0])  # 24 copies: 12 tokens
+    moe = MoE(8, 16, spec, n_zero_experts=2, active_experts=1.0, key=jax.random.key(0))
+    loads = jnp.asarray([2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 8.0, 4.0])  # 24 copies: 12 tokens
     target = moe.bias_target(loads)
-    # 1.5 computing experts per token over 6 experts, 0.5 zero-computation ones over 2
-    np.testing.assert_allclose(target, [3.0] * 6 + [3.0, 3.0])
+    # 1 computing expert per token over 6 experts, the other choice over the 2 zero ones
+    np.testing.assert_allclose(target, [2.0] * 6 + [6.0, 6.0])
     np.testing.assert_allclose(target.sum(), loads.sum())
     assert MoE(8, 16, spec, key=jax.random.key(0)).bias_target(loads[:6]) is None
     with pytest.raises(ValueError, match="active_experts"):
