@@ -18,21 +18,43 @@ from dropless.backends import (
 )
 from dropless.balance import (
     batch_balance_loss,
+    coselection,
+    dead_experts,
+    global_balance_loss,
     max_violation,
+    router_entropy,
+    router_probability,
     router_z_loss,
     sequence_balance_loss,
     tokens_per_expert,
     update_expert_bias,
 )
+from dropless.bias_update import AbstractBiasUpdate, ProportionalBiasUpdate, SignBiasUpdate
 from dropless.dispatch import AbstractDispatcher, AbstractExpertParallelDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul, GroupedExperts
 from dropless.moe import MoE, MoEStats, routing_stats
-from dropless.routing import AbstractTopK, JnpTopK, Routing, RoutingSpec, TopKRouter
+from dropless.routing import (
+    AbstractTopK,
+    JnpTopK,
+    Routing,
+    RoutingSpec,
+    TopKRouter,
+    replay_routing,
+)
 from dropless.swiglu import SwiGLU
 
 __all__ = [
     "BACKENDS",
     "AutoBackend",
+    "AbstractBiasUpdate",
+    "ProportionalBiasUpdate",
+    "SignBiasUpdate",
+    "coselection",
+    "dead_experts",
+    "global_balance_loss",
+    "replay_routing",
+    "router_entropy",
+    "router_probability",
     "AbstractDispatcher",
     "AbstractExpertParallelDispatcher",
     "AbstractGroupedMatmul",

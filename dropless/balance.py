@@ -4,8 +4,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Real
 
+from dropless.bias_update import SignBiasUpdate
 from dropless.routing import Routing
 
 
@@ -54,15 +55,32 @@ def _normalised_scores(scores: Float[Array, "tokens experts"]) -> Float[Array, "
     return scores / (scores.sum(-1, keepdims=True) + 1e-20)
 
 
+def router_probability(scores: Float[Array, "tokens experts"]) -> Float[Array, " experts"]:
+    """P_i of the balance losses: the mean over tokens of each expert's normalised score."""
+    return _normalised_scores(scores).mean(0)
+
+
 def batch_balance_loss(routing: Routing) -> Float[Array, ""]:
     """Switch-Transformer load-balancing loss over the whole batch: E * sum_i f_i * P_i.
 
     f_i is the fraction of copies sent to expert i, P_i the mean normalised score; 1 when balanced.
     """
     n_experts = routing.scores.shape[-1]
-    f = tokens_per_expert(routing.expert_ids, n_experts) / routing.expert_ids.size
-    p = _normalised_scores(routing.scores).mean(0)
-    return n_experts * jnp.sum(jax.lax.stop_gradient(f) * p)
+    counts = tokens_per_expert(routing.expert_ids, n_experts)
+    return global_balance_loss(router_probability(routing.scores), counts)
+
+
+def global_balance_loss(
+    probability: Float[Array, "*layers experts"], counts: Float[Array, "*layers experts"]
+) -> Float[Array, "*layers"]:
+    """The batch-wise loss E * sum_i f_i * P_i from its two halves: `probability` P (this
+    slice's `router_probability`, differentiable) and `counts`, the copies per expert of a
+    larger batch (summed over data shards and micro-batches: Qwen's global-batch balancing),
+    whose fractions f carry no gradient. The mean of this over equal slices is the loss of the
+    whole batch, as the mean of their P is the whole batch's P."""
+    counts = jax.lax.stop_gradient(counts).astype(jnp.float32)
+    f = counts / jnp.maximum(counts.sum(-1, keepdims=True), 1.0)
+    return probability.shape[-1] * jnp.sum(f * probability, -1)
 
 
 def sequence_balance_loss(routing: Routing, seq_len: int) -> Float[Array, ""]:
@@ -86,13 +104,33 @@ def router_z_loss(logits: Float[Array, "tokens experts"]) -> Float[Array, ""]:
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
 
+def router_entropy(scores: Float[Array, "tokens experts"]) -> Float[Array, ""]:
+    """Mean over tokens of the entropy (nats) of each token's normalised scores: log(experts)
+    for a router that cannot tell experts apart, 0 for one that puts all weight on one."""
+    p = _normalised_scores(scores)
+    return -jnp.mean(jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), -1))
+
+
+def coselection(
+    expert_ids: Int[Array, "tokens k"], n_experts: int
+) -> Int[Array, "experts experts"]:
+    """c[i, j]: tokens that chose both expert i and expert j (the diagonal: tokens that chose
+    i). Pairs chosen together far more often than chance are experts that act as one."""
+    one_hot = jax.nn.one_hot(expert_ids, n_experts, dtype=jnp.int32).sum(1)  # [tokens experts]
+    return jnp.einsum("te,tf->ef", one_hot, one_hot, preferred_element_type=jnp.int32)
+
+
+def dead_experts(loads: Real[Array, "steps *layers experts"]) -> Int[Array, "*layers"]:
+    """Experts that no token chose in any of the `steps` loads (per layer)."""
+    return jnp.sum(jnp.all(loads == 0, axis=0), axis=-1)
+
+
 def update_expert_bias(
     bias: Float[Array, "*layers experts"],
     tokens_per_expert: Float[Array, "*layers experts"],
     rate: float | Float[Array, ""],
 ) -> Float[Array, "*layers experts"]:
     """Aux-loss-free balancing (DeepSeek-V3): raise the bias of under-loaded experts, lower the
-    bias of over-loaded ones, by `rate` each step. Works on stacked layers too; never a gradient."""
-    load = jax.lax.stop_gradient(tokens_per_expert)
-    error = load.mean(-1, keepdims=True) - load
-    return jax.lax.stop_gradient(bias + rate * jnp.sign(error).astype(bias.dtype))
+    bias of over-loaded ones, by `rate` each step (`SignBiasUpdate`; `dropless.bias_update` has
+    the other rules). Works on stacked layers too; never a gradient."""
+    return SignBiasUpdate()(bias, tokens_per_expert, rate)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from dropless.bias_update import AbstractBiasUpdate, SignBiasUpdate
 from dropless.field_types import field_type_error
 
 ScoringFunc = Literal["softmax", "sigmoid", "sqrtsoftplus"]
@@ -191,16 +192,42 @@ class JnpTopK(AbstractTopK):
         if spec.n_group > 1:
             choice = _limit_to_top_groups(choice, spec)
         ids = _top_k(choice, spec.num_experts_per_tok)
-        if softmax_after:
-            weights = jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
-        else:
-            weights = jnp.take_along_axis(scores, ids, axis=-1)
-            if spec.norm_topk_prob:
-                weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-        weights = weights * spec.routed_scaling_factor
-        return Routing(
-            expert_ids=ids.astype(jnp.int32), weights=weights, scores=scores, logits=logits
+        return routing_of(ids, logits, scores, spec)
+
+
+def routing_of(
+    ids: Int[Array, "tokens k"],
+    logits: Float[Array, "tokens experts"],
+    scores: Float[Array, "tokens experts"],
+    spec: RoutingSpec,
+) -> Routing:
+    """The `Routing` that sends each token to the experts `ids`, weighted as `spec` weighs its
+    own choice (from `scores`, or for softmax-after-top-k from `logits`): how `JnpTopK` ends,
+    and how a recorded choice is replayed (`replay_routing`)."""
+    if spec.scoring_func == "softmax" and not spec.softmax_before_topk:
+        weights = jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
+    else:
+        weights = jnp.take_along_axis(scores, ids, axis=-1)
+        if spec.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    weights = weights * spec.routed_scaling_factor
+    return Routing(expert_ids=ids.astype(jnp.int32), weights=weights, scores=scores, logits=logits)
+
+
+def replay_routing(
+    routing: Routing, expert_ids: Int[Array, "tokens k"], spec: RoutingSpec
+) -> Routing:
+    """`routing` with its top-k replaced by `expert_ids` (a choice recorded earlier, by
+    `return_routing=True`), weighted from `routing`'s own scores: the weights, hence the
+    router, still get gradients. Routing replay keeps sampling-time and training-time routing
+    the same (the "R3" fix for RL)."""
+    if expert_ids.shape != routing.expert_ids.shape:
+        raise ValueError(
+            f"replayed expert_ids have shape {expert_ids.shape}, the routing chooses "
+            f"{routing.expert_ids.shape} [tokens k]"
         )
+    ids = jax.lax.stop_gradient(expert_ids).astype(jnp.int32)
+    return routing_of(ids, routing.logits, routing.scores, spec)
 
 
 def _limit_to_top_groups(
@@ -222,13 +249,15 @@ class TopKRouter(eqx.Module):
     """Linear router over `experts`, with an optional selection-only `expert_bias`.
 
     Logits are computed in float32 whatever the input dtype (routing is precision-sensitive).
-    The bias is updated outside the gradient by `dropless.balance.update_expert_bias`.
+    The bias is updated outside the gradient by the rule `bias_update` (the sign rule by
+    default; see `dropless.bias_update`).
     """
 
     w_router: Float[Array, "experts dim"]
     expert_bias: Float[Array, " experts"] | None
     spec: RoutingSpec = eqx.field(static=True)
     topk: AbstractTopK = JnpTopK()
+    bias_update: AbstractBiasUpdate = SignBiasUpdate()
 
     def __init__(
         self,
@@ -237,6 +266,7 @@ class TopKRouter(eqx.Module):
         *,
         dtype=jnp.float32,
         topk: AbstractTopK | None = None,
+        bias_update: AbstractBiasUpdate = SignBiasUpdate(),  # noqa: B008 (immutable)
         key: PRNGKeyArray,
     ):
         self.spec = spec
@@ -246,8 +276,15 @@ class TopKRouter(eqx.Module):
             jnp.zeros((spec.n_routed_experts,), jnp.float32) if spec.use_expert_bias else None
         )
         self.topk = JnpTopK() if topk is None else topk
+        if not isinstance(bias_update, AbstractBiasUpdate):
+            raise TypeError(f"bias_update must be an AbstractBiasUpdate, got {bias_update!r}")
+        self.bias_update = bias_update
 
-    def __call__(self, x: Float[Array, "tokens dim"]) -> Routing:
+    def __call__(
+        self, x: Float[Array, "tokens dim"], replay: Int[Array, "tokens k"] | None = None
+    ) -> Routing:
+        """The routing of `x`; with `replay`, that choice of experts instead of the top-k
+        (`replay_routing`)."""
         if x.ndim != 2 or x.shape[1] != self.w_router.shape[1]:
             raise ValueError(
                 f"TopKRouter: x has shape {x.shape}, want [tokens {self.w_router.shape[1]}] "
@@ -255,4 +292,5 @@ class TopKRouter(eqx.Module):
             )
         with jax.named_scope("route"):
             logits = x.astype(jnp.float32) @ self.w_router.astype(jnp.float32).T
-            return self.topk(logits, self.expert_bias, self.spec)
+            routing = self.topk(logits, self.expert_bias, self.spec)
+            return routing if replay is None else replay_routing(routing, replay, self.spec)

@@ -125,3 +125,64 @@ def test_bias_update_moves_load_toward_uniform():
         bias = balance.update_expert_bias(bias, counts, 0.01)
     assert start > 1.0
     assert vio < 0.35 * start
+
+
+@given(
+    st.lists(st.integers(0, 7), min_size=8, max_size=64),
+    st.sampled_from([1, 2, 4]),
+    st.integers(0, 2**31 - 1),
+)
+def test_global_loss_over_slices_is_the_batch_loss_of_their_union(ids, slices, seed):
+    """The global-batch loss: with every slice given the union's counts, the mean over equal
+    slices equals the batch-wise loss of all the tokens at once (values and gradients)."""
+    n = len(ids) // slices * slices
+    ids = jnp.asarray(np.resize(np.asarray(ids, np.int32), (n, 2)))
+    logits = jax.random.normal(jax.random.key(seed), (n, 8))
+
+    def whole(logits):
+        return balance.batch_balance_loss(make_routing(ids, jax.nn.softmax(logits)))
+
+    def by_slices(logits):
+        counts = balance.tokens_per_expert(ids, 8)
+        parts = [
+            balance.global_balance_loss(balance.router_probability(jax.nn.softmax(lg)), counts)
+            for lg in jnp.split(logits, slices)
+        ]
+        return jnp.mean(jnp.stack(parts))
+
+    np.testing.assert_allclose(by_slices(logits), whole(logits), rtol=1e-5)
+    np.testing.assert_allclose(jax.grad(by_slices)(logits), jax.grad(whole)(logits), atol=1e-6)
+
+
+@given(st.integers(0, 2**31 - 1), st.sampled_from([2, 5, 16]))
+def test_router_entropy_equals_numpy_and_is_bounded(seed, n_experts):
+    scores = jax.nn.softmax(3 * jax.random.normal(jax.random.key(seed), (6, n_experts)))
+    p = np.asarray(scores, np.float64)
+    want = -np.mean(np.sum(p * np.log(np.maximum(p, 1e-300)), -1))
+    got = balance.router_entropy(scores)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert -1e-6 <= float(got) <= np.log(n_experts) + 1e-5
+    uniform = balance.router_entropy(jnp.ones((3, n_experts)))
+    np.testing.assert_allclose(uniform, np.log(n_experts), rtol=1e-6)  # float32 rounding
+    one_hot = jax.nn.one_hot(jnp.arange(3) % n_experts, n_experts)
+    assert float(balance.router_entropy(one_hot)) == 0.0
+
+
+@given(st.lists(st.permutations(range(6)), min_size=1, max_size=20), st.sampled_from([1, 2, 3]))
+def test_coselection_counts_pairs_directly(perms, k):
+    ids = np.asarray([p[:k] for p in perms], np.int32)
+    got = np.asarray(balance.coselection(jnp.asarray(ids), 6))
+    want = np.zeros((6, 6), np.int64)
+    for row in ids:
+        for i in row:
+            for j in row:
+                want[i, j] += 1
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, got.T)
+    np.testing.assert_array_equal(np.diag(got), np.bincount(ids.reshape(-1), minlength=6))
+
+
+def test_dead_experts_are_those_never_chosen_over_the_steps():
+    loads = jnp.asarray([[[0, 3, 0, 1], [2, 0, 0, 0]], [[0, 0, 0, 5], [1, 1, 1, 0]]])
+    # layer 0: experts 0 and 2 never chosen; layer 1: expert 3 never chosen
+    np.testing.assert_array_equal(balance.dead_experts(loads), [2, 1])

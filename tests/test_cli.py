@@ -279,6 +279,33 @@ def test_run_names(tmp_path):
     assert cli.run_name(resumed, resume=True) == "a-run"
 
 
+def test_set_chooses_the_balancing_and_routing_values():
+    """The balancing kit from `--set`: the bias rule, zero-computation experts, the
+    global-batch balance loss; a bad choice is one line naming the field."""
+    sets = [
+        "model.bias_update=proportional",
+        "model.n_group=1",
+        "model.n_zero_experts=4",
+        "model.zero_expert_active=1.5",
+        "train.global_balance_loss_coef=0.01",
+    ]
+    model, train = cli.apply_overrides(get_preset("tiny"), TrainConfig(), sets)
+    assert (model.bias_update, model.n_zero_experts, model.zero_expert_active) == (
+        "proportional",
+        4,
+        1.5,
+    )
+    assert train.global_balance_loss_coef == 0.01
+    with pytest.raises(ValueError, match="bias_update"):
+        cli.apply_overrides(get_preset("tiny"), TrainConfig(), ["model.bias_update=pid"])
+    with pytest.raises(ValueError, match="n_group"):
+        cli.apply_overrides(get_preset("tiny"), TrainConfig(), ["model.n_zero_experts=4"])
+    with pytest.raises(ValueError, match="global_balance_loss_coef"):
+        cli.apply_overrides(
+            get_preset("tiny"), TrainConfig(), ["train.global_balance_loss_coef=-1"]
+        )
+
+
 def test_set_none_where_a_field_takes_none():
     model, _ = cli.apply_overrides(get_preset("tiny"), TrainConfig(), ["model.q_lora_rank=None"])
     assert model.q_lora_rank is None

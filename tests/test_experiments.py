@@ -40,6 +40,7 @@ CASES = {
         2,
     ),
     "load_balance": ([*SMALL, "--only", "none", "bias"], 2),
+    "balancing": ([*SMALL, "--data", "synthetic", "--only", "global_aux", "bias+zero"], 2),
     "expert_granularity": ([*SMALL, "--sweep", "8/2"], 1),
     "dropless_vs_capacity": ([*SMALL, "--factors", "1.0", "--repeats", "1"], 6),
     "expert_specialisation": ([*SMALL, "--eval-batches", "1"], 3),

@@ -17,7 +17,7 @@ from dropless.backends.chunked import ChunkedGroupedMatmul
 from dropless.backends.oracle import oracle_moe
 from dropless.backends.sort import SortDispatcher
 from dropless.dispatch import AbstractDispatcher
-from dropless.moe import MoE
+from dropless.moe import MoE, computing_part
 from dropless.routing import JnpTopK, RoutingSpec
 
 FP32 = dict(rtol=1e-4, atol=1e-5)
@@ -312,3 +312,85 @@ def test_an_empty_batch_or_integer_input_is_a_clear_error(unchecked):
         call(moe, jnp.zeros((0, 12)))
     with pytest.raises(TypeError, match="MoE: x must be a floating-point array .* got dtype int32"):
         call(moe, jnp.zeros((4, 12), jnp.int32))
+
+
+# --- zero-computation experts -----------------------------------------------------------------
+
+
+def dense_zero_reference(moe: MoE, x):
+    """The layer written directly: every token through each of its chosen experts, one at a
+    time, a zero-computation choice adding the token (identity) or nothing, times its weight."""
+    routing = moe.router(x)
+    n_experts = moe.experts.w_gate.shape[0]
+    y = jnp.zeros(x.shape, jnp.float32)
+    for e in range(n_experts + moe.n_zero_experts):
+        w = jnp.where(routing.expert_ids == e, routing.weights, 0).sum(-1)[:, None]
+        if e < n_experts:
+            ex = moe.experts
+            out = (jax.nn.silu(x @ ex.w_gate[e]) * (x @ ex.w_up[e])) @ ex.w_down[e]
+        else:
+            out = x if moe.zero_output == "identity" else jnp.zeros_like(x)
+        y = y + w * out
+    return y if moe.shared is None else y + moe.shared(x)
+
+
+@settings(deadline=None, max_examples=12)
+@given(
+    st.sampled_from([(6, 2, 2), (8, 3, 4), (4, 4, 1)]),
+    st.sampled_from(["identity", "zero"]),
+    st.booleans(),
+    st.integers(0, 2**31 - 1),
+)
+def test_zero_computation_experts_equal_the_dense_reference(shape, output, before_down, seed):
+    """k of (E + Z) choices: outputs and gradients equal the dense reference; the dispatcher
+    gets only the computing copies (no rows of zero-computation experts in any group); the
+    statistics count computing and zero-computation copies apart."""
+    e, k, z = shape
+    spec = RoutingSpec(e, k, "sigmoid", use_expert_bias=True)
+    moe = MoE(
+        8,
+        16,
+        spec,
+        n_zero_experts=z,
+        zero_output=output,
+        n_shared_experts=1,
+        weights_before_down=before_down,
+        key=jax.random.key(seed % 1000),
+    )
+    # a bias that makes zero-computation experts likely, so most cases mix both kinds
+    bias = jnp.concatenate([jnp.zeros(e), jnp.full((z,), 0.2)])
+    moe = eqx.tree_at(lambda m: m.router.expert_bias, moe, bias)
+    x = jax.random.normal(jax.random.key(seed), (12, 8))
+
+    def loss(moe, f):
+        return jnp.sum(jnp.sin(f(moe, x)))
+
+    got, got_grad = eqx.filter_value_and_grad(loss)(moe, lambda m, x: m(x, seq_len=6)[0])
+    want, want_grad = eqx.filter_value_and_grad(loss)(moe, dense_zero_reference)
+    np.testing.assert_allclose(got, want, **FP32)
+    for g, w in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad), strict=True):
+        np.testing.assert_allclose(g, w, **FP32)
+    _, stats = moe(x, seq_len=6, return_routing=True)
+    ids = np.asarray(stats.expert_ids)
+    assert stats.tokens_per_expert.shape == (e,) and stats.zero_tokens.shape == (z,)
+    np.testing.assert_array_equal(stats.tokens_per_expert, np.bincount(ids[ids < e], minlength=e))
+    np.testing.assert_array_equal(stats.zero_tokens, np.bincount(ids[ids >= e] - e, minlength=z))
+    np.testing.assert_allclose(stats.active_experts, (ids < e).sum() / 12)
+    dispatched = moe.dispatcher.dispatch(x, computing_part(moe.router(x), e))
+    assert int(dispatched.group_sizes.sum()) == int((ids < e).sum())
+
+
+def test_zero_experts_bias_target_steers_active_compute():
+    spec = RoutingSpec(6, 2, "sigmoid", use_expert_bias=True)
+    moe = MoE(8, 16, spec, n_zero_experts=2, active_experts=1.0, key=jax.random.key(0))
+    loads = jnp.asarray([2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 8.0, 4.0])  # 24 copies: 12 tokens
+    target = moe.bias_target(loads)
+    # 1 computing expert per token over 6 experts, the other choice over the 2 zero ones
+    np.testing.assert_allclose(target, [2.0] * 6 + [6.0, 6.0])
+    np.testing.assert_allclose(target.sum(), loads.sum())
+    assert MoE(8, 16, spec, key=jax.random.key(0)).bias_target(loads[:6]) is None
+    with pytest.raises(ValueError, match="active_experts"):
+        MoE(8, 16, spec, n_zero_experts=2, active_experts=3.0, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="n_group"):
+        grouped = RoutingSpec(8, 2, n_group=2, topk_group=1, group_score="max")
+        MoE(8, 16, grouped, n_zero_experts=2, key=jax.random.key(0))

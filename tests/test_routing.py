@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dropless.routing import JnpTopK, RoutingSpec, TopKRouter, _top_k
+from dropless.routing import JnpTopK, RoutingSpec, TopKRouter, _top_k, replay_routing
 
 # (experts, k, n_group, topk_group): a small set so jit compiles stay few.
 SHAPES = [(8, 2, 1, 1), (16, 4, 4, 2), (16, 3, 2, 1), (32, 8, 8, 4), (6, 6, 1, 1), (12, 2, 6, 3)]
@@ -270,3 +270,60 @@ def test_wrong_shapes_are_rejected(unchecked):
         unchecked(TopKRouter.__call__)(router, jnp.zeros((2, 4, 16)))
     with pytest.raises(ValueError, match="n_routed_experts"):
         JnpTopK()(jnp.zeros((4, 6)), None, spec)
+
+
+@given(routing_case())
+def test_replayed_choice_is_weighted_as_the_routers_own(case):
+    """Replaying the router's own choice changes nothing; replaying another choice weighs it
+    as the reference weighs a choice (its scores, normalisation, scaling)."""
+    spec, seed = case
+    logits, bias = random_logits(seed, spec.n_routed_experts)
+    bias = bias if spec.use_expert_bias else None
+    routing = JnpTopK()(logits, bias, spec)
+    same = replay_routing(routing, routing.expert_ids, spec)
+    np.testing.assert_array_equal(same.expert_ids, routing.expert_ids)
+    np.testing.assert_array_equal(same.weights, routing.weights)
+    e, k = spec.n_routed_experts, spec.num_experts_per_tok
+    keys = jax.random.split(jax.random.key(seed), TOKENS)
+    other = jax.vmap(lambda key: jax.random.permutation(key, e)[:k])(keys).astype(jnp.int32)
+    got = replay_routing(routing, other, spec)
+    np.testing.assert_array_equal(got.expert_ids, other)
+    want = _weights_for(np.asarray(logits, np.float64), np.asarray(other), spec)
+    np.testing.assert_allclose(got.weights, want, rtol=2e-5, atol=1e-6)
+
+
+def _weights_for(logits, ids, spec):
+    """The reference routing's weights of the choice `ids` (numpy)."""
+    rows = []
+    for row, chosen in zip(logits, ids, strict=True):
+        if spec.scoring_func == "softmax":
+            scores = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+        elif spec.scoring_func == "sigmoid":
+            scores = 1 / (1 + np.exp(-row))
+        else:
+            scores = np.sqrt(np.log1p(np.exp(row)))
+        if spec.scoring_func == "softmax" and not spec.softmax_before_topk:
+            w = np.exp(row[chosen] - row[chosen].max())
+            w = w / w.sum()
+        else:
+            w = scores[chosen]
+            if spec.norm_topk_prob:
+                w = w / (w.sum() + 1e-20)
+        rows.append(w * spec.routed_scaling_factor)
+    return np.asarray(rows)
+
+
+def test_replay_keeps_the_router_differentiable_and_checks_shapes():
+    spec = RoutingSpec(8, 2, "sigmoid")
+    router = TopKRouter(4, spec, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+    ids = jnp.asarray([[0, 1], [2, 3], [4, 5], [6, 7], [7, 0]], jnp.int32)
+
+    def loss(router):
+        return jnp.sum(router(x, ids).weights ** 2)
+
+    grad = jax.grad(loss)(router)
+    assert float(jnp.abs(grad.w_router).max()) > 0
+    np.testing.assert_array_equal(router(x, ids).expert_ids, ids)
+    with pytest.raises(ValueError, match="replayed expert_ids"):
+        router(x, ids[:, :1])

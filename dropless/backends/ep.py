@@ -155,7 +155,9 @@ class AllToAllDispatcher(AbstractExpertParallelDispatcher):
             rank = jnp.arange(n_copies, dtype=jnp.int32)
             dest = flat_ids[order] // local
             j = rank - send_start[me][dest]
-            slot_of_copy = jnp.where(j < bound, dest * bound + j, n_rows).astype(jnp.int32)
+            # copies to no expert here (zero-computation experts' ids) are sent nowhere
+            sent = (j < bound) & (dest < ep)
+            slot_of_copy = jnp.where(sent, dest * bound + j, n_rows).astype(jnp.int32)
             copy_of_slot = (
                 jnp.full((n_rows,), n_copies, jnp.int32).at[slot_of_copy].set(rank, mode="drop")
             )

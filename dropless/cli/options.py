@@ -68,6 +68,13 @@ MODEL_HELP = {
     "moe_weights_before_down": "Routing weights scale the experts' hidden units before the "
     "down projection, not their outputs (the same function; no expert outputs kept for the "
     "backward).",
+    "bias_update": "Aux-loss-free balancing rule of the expert bias: 'sign' (DeepSeek-V3) or "
+    "'proportional'.",
+    "n_zero_experts": "Zero-computation experts (LongCat-Flash): more choices for the router, "
+    "returning the token (or nothing) without a matmul.",
+    "zero_expert_output": "What a zero-computation expert returns: 'identity' or 'zero'.",
+    "zero_expert_active": "Computing experts per token that the zero-computation experts' "
+    "biases steer to (None: the even share).",
 }
 
 PRESET_NAMES = tuple(PRESETS)

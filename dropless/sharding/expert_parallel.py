@@ -72,6 +72,10 @@ def reduce_moe_stats(stats: MoEStats, axes: tuple[str, ...]) -> MoEStats:
         seq_balance_loss=jax.lax.pmean(stats.seq_balance_loss, axes),
         z_loss=jax.lax.pmean(stats.z_loss, axes),
         dropped=jax.lax.psum(stats.dropped, axes),
+        router_probability=jax.lax.pmean(stats.router_probability, axes),
+        router_entropy=jax.lax.pmean(stats.router_entropy, axes),
+        zero_tokens=jax.lax.psum(stats.zero_tokens, axes),
+        active_experts=jax.lax.pmean(stats.active_experts, axes),
     )
 
 

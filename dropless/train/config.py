@@ -85,6 +85,12 @@ class TrainConfig:
     """Batch-wise (Switch-Transformer) load-balancing loss coefficient, summed over MoE layers."""
     seq_balance_loss_coef: float = 1e-4
     """DeepSeek-V3's sequence-wise balance loss coefficient (its alpha; 1e-4 there)."""
+    global_balance_loss_coef: float = 0.0
+    """Global-batch balance loss coefficient (Qwen's): the batch-wise loss with the load
+    fractions of the whole step's batch, gathered over data shards and micro-batches, so it
+    equals the single-device loss over the whole batch. With micro-batches > 1 a non-zero
+    coefficient costs one more forward pass per step (the loads are needed before the first
+    slice's gradient); at 0 that pass is skipped and the term reads 0."""
     z_loss_coef: float = 0.0
     """Router z-loss coefficient (ST-MoE), summed over MoE layers."""
     bias_update_rate: float = 1e-3
@@ -164,6 +170,7 @@ class TrainConfig:
             "mtp_loss_weight",
             "balance_loss_coef",
             "seq_balance_loss_coef",
+            "global_balance_loss_coef",
             "z_loss_coef",
             "bias_update_rate",
             "eval_every",

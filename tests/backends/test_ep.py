@@ -416,3 +416,29 @@ def test_exchanges_on_gpus():
                 assert_close(y, y_ref)
                 assert_same_grads(g, g_ref)
                 assert float(st_.dropped) == 0.0
+
+
+@pytest.mark.parametrize("exchange", ["all_to_all", "ragged"])
+def test_zero_computation_experts_are_not_exchanged(exchange, monkeypatch):
+    """Zero-computation choices never enter the all-to-all: the EP layer equals one device
+    (outputs, gradients, counts), and with every choice a zero-computation one nothing is
+    computed at all."""
+    if exchange == "ragged":
+        monkeypatch.setattr(ep_exchange, "_ragged_all_to_all", emulated_ragged_all_to_all)
+    mesh = ep_mesh(4)
+    x, probe = inputs()
+    spec = RoutingSpec(E, K, use_expert_bias=True)
+    for zero_bias in (0.0, 0.02, 1e3):
+        moe = MoE(DIM, HIDDEN, spec, n_zero_experts=2, key=jax.random.key(0))
+        bias = jnp.concatenate([jnp.zeros(E), jnp.full((2,), zero_bias)])
+        moe = eqx.tree_at(lambda m: m.router.expert_bias, moe, bias)
+        y_ref, st_ref, g_ref = value_and_grad(moe, x, probe)
+        y, st_, g = value_and_grad(sharded(moe, mesh, exchange=exchange), x, probe)
+        assert_close(y, y_ref)
+        assert_same_grads(g, g_ref)
+        np.testing.assert_array_equal(st_.tokens_per_expert, st_ref.tokens_per_expert)
+        np.testing.assert_array_equal(st_.zero_tokens, st_ref.zero_tokens)
+        if zero_bias == 1e3:
+            assert float(st_.tokens_per_expert.sum()) == 0.0
+            kept = moe.router(x).weights.sum(-1, keepdims=True)
+            assert_close(y, kept * x)  # no shared expert here

@@ -18,6 +18,7 @@ from dropless.models.deepseek_v3.model import (
     ModelFeatures,
     ModelOutput,
     check_tokens,
+    recorded_routing,
     with_updated_expert_bias,
 )
 from dropless.models.deepseek_v3.mtp import MTP, MTPModule, mtp_targets
@@ -52,5 +53,6 @@ __all__ = [
     "stack_blocks",
     "to_hf",
     "unstack",
+    "recorded_routing",
     "with_updated_expert_bias",
 ]

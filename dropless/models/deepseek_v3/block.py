@@ -2,7 +2,7 @@
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from dropless.moe import MoE, MoEStats
 from dropless.nn.attention import GQA
@@ -26,10 +26,15 @@ class DecoderBlock(eqx.Module):
         self.mlp = mlp
 
     def __call__(
-        self, x: Float[Array, "batch seq dim"], *, return_routing: bool = False
+        self,
+        x: Float[Array, "batch seq dim"],
+        *,
+        return_routing: bool = False,
+        replay: Int[Array, "tokens k"] | None = None,
     ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
         """The new residual stream, and the MoE statistics (None for a dense block; with the
-        routing, tokens flattened `batch * seq`, under `return_routing`)."""
+        routing, tokens flattened `batch * seq`, under `return_routing`). `replay`: the MoE's
+        expert choice, recorded so (`MoE.__call__`)."""
         with jax.named_scope("attention"):
             x = x + self.self_attn(self.input_layernorm(x))
         with jax.named_scope("ffn"):
@@ -40,6 +45,9 @@ class DecoderBlock(eqx.Module):
             # MoE code works on flat tokens; seq_len keeps the sequences apart for the
             # sequence-wise balance loss.
             y, stats = self.mlp(
-                h.reshape(batch * seq, dim), seq_len=seq, return_routing=return_routing
+                h.reshape(batch * seq, dim),
+                seq_len=seq,
+                return_routing=return_routing,
+                replay=replay,
             )
             return x + y.reshape(batch, seq, dim).astype(x.dtype), stats

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from dropless.bias_update import BIAS_UPDATES
 from dropless.field_types import field_type_error, is_number
 from dropless.models.mixtral.config import MIXTRAL
 from dropless.models.olmoe.config import OLMOE
@@ -39,6 +40,9 @@ DROPLESS_FIELDS = (
     "moe_weights_before_down",
     "attention_type",
     "qk_norm",
+    "bias_update",
+    "zero_expert_output",
+    "zero_expert_active",
 )
 
 # A `model_type: deepseek_v2` config.json leaves these at DeepSeek-V2's defaults, not V3's.
@@ -77,7 +81,13 @@ class DeepSeekV3Config:
     `logits_dtype` ("float32" | "bfloat16": what the vocabulary head's matmul writes, its
     accumulation float32 either way; the cross-entropy reduces in float32 either way) and
     `moe_weights_before_down` (the routing weights scale the experts' hidden units before the
-    down projection instead of their outputs: `MoE(weights_before_down=True)`).
+    down projection instead of their outputs: `MoE(weights_before_down=True)`) and
+    `bias_update` (the aux-loss-free bias rule of "noaux_tc" routers, a name of
+    `dropless.bias_update.BIAS_UPDATES`: "sign", DeepSeek-V3's, or "proportional") and
+    LongCat-Flash's zero-computation experts: `n_zero_experts` more choices for the router,
+    which return the token (`zero_expert_output="identity"`) or nothing ("zero") without a
+    matmul, their biases steering the mean computing experts per token to
+    `zero_expert_active` (None: k * experts / (experts + zero); see `MoE`).
     Training knobs (loss weights, bias update rate) live in `dropless.train.TrainConfig`.
     """
 
@@ -127,6 +137,10 @@ class DeepSeekV3Config:
     moe_weights_before_down: bool = False
     attention_type: str = "mla"
     qk_norm: str = "none"
+    bias_update: str = "sign"
+    n_zero_experts: int = 0
+    zero_expert_output: str = "identity"
+    zero_expert_active: float | None = None
 
     def __post_init__(self):
         if self.rope_scaling is not None:  # a private copy: the caller's dict may change later
@@ -327,6 +341,8 @@ def _validate(c: DeepSeekV3Config) -> None:
         ("logits_dtype", tuple(DTYPES)),
         ("remat", REMAT_POLICIES),
         ("attention_impl", ATTENTION_IMPLS),
+        ("bias_update", tuple(BIAS_UPDATES)),
+        ("zero_expert_output", ("identity", "zero")),
     ):
         if getattr(c, name) not in allowed:
             _fail(f"{name} ({getattr(c, name)!r}) must be one of {allowed}")
@@ -367,6 +383,16 @@ def _validate_routing(c: DeepSeekV3Config) -> None:
         _fail(f"num_experts_per_tok ({k}) must be <= n_routed_experts ({e})")
     if not 0 < c.routed_scaling_factor < math.inf:
         _fail(f"routed_scaling_factor ({c.routed_scaling_factor}) must be > 0 and finite")
+    if c.n_zero_experts < 0:
+        _fail(f"n_zero_experts ({c.n_zero_experts}) must be >= 0")
+    if c.n_zero_experts and c.topk_method != "greedy" and c.n_group > 1:
+        _fail(
+            f"n_zero_experts ({c.n_zero_experts}) needs routing without groups: n_group "
+            f"({c.n_group}) must be 1, or topk_method 'greedy'"
+        )
+    active = c.zero_expert_active
+    if active is not None and not 0 < active <= k:
+        _fail(f"zero_expert_active ({active}) must be in (0, num_experts_per_tok={k}]")
     if c.topk_method == "greedy":
         return  # groups are ignored
     if e % c.n_group:

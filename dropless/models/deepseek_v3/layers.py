@@ -11,9 +11,10 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from dropless.backends import Backend
+from dropless.bias_update import BIAS_UPDATES
 from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.moe import MoE, MoEStats
@@ -112,6 +113,10 @@ def make_block(
             n_shared_experts=c.n_shared_experts,
             dtype=dt,
             weights_before_down=c.moe_weights_before_down,
+            bias_update=BIAS_UPDATES[c.bias_update],
+            n_zero_experts=c.n_zero_experts,
+            zero_output=c.zero_expert_output,
+            active_experts=c.zero_expert_active,
             key=k_mlp,
             **moe_strategies(backend),
         )
@@ -151,9 +156,11 @@ def scan_blocks(
     unroll: bool = False,
     *,
     return_routing: bool = False,
+    replay: Int[Array, "layers tokens k"] | None = None,
 ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
     """Applies the stacked blocks in order; MoE stats come back with a leading `layers` axis
-    (with each layer's routing under `return_routing`).
+    (with each layer's routing under `return_routing`; `replay` gives each MoE layer the
+    expert choice recorded so).
     `unroll` emits every layer inline instead of a loop (`unrolled_scan`): per-layer residuals
     are then separate buffers rather than slices written into and read from stacks. The
     stacked matmul weights pass `matmul_weights_cast` first (see the comment below)."""
@@ -169,8 +176,9 @@ def scan_blocks(
     # and the stacks keep their own dtype.
     arrays = matmul_weights_cast(arrays, x.dtype if REMAT[remat] is None else None)
 
-    def body(h, layer_arrays):
-        return eqx.combine(layer_arrays, static)(h, return_routing=return_routing)
+    def body(h, xs):
+        layer_arrays, ids = xs
+        return eqx.combine(layer_arrays, static)(h, return_routing=return_routing, replay=ids)
 
     if REMAT[remat] is not None:
         # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE.
@@ -178,8 +186,8 @@ def scan_blocks(
         # recomputation with the forward, and remat would save nothing.
         body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=unroll)
     if unroll:
-        return unrolled_scan(body, x, arrays)
-    return jax.lax.scan(body, x, arrays)
+        return unrolled_scan(body, x, (arrays, replay))
+    return jax.lax.scan(body, x, (arrays, replay))
 
 
 def matmul_weights_cast(arrays: eqx.Module, dtype=None) -> eqx.Module:

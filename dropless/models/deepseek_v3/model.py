@@ -7,7 +7,6 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from dropless.backends import Backend
-from dropless.balance import update_expert_bias
 from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.models.deepseek_v3.layers import moe_strategies, scan_blocks, stack_blocks
@@ -16,6 +15,9 @@ from dropless.moe import MoE, MoEStats
 from dropless.nn.rmsnorm import RMSNorm
 from dropless.precision import f32_einsum
 from dropless.swiglu import init_linear
+
+RoutingReplay = tuple[Int[Array, "layers tokens k"], Int[Array, "depth tokens k"] | None]
+"""Recorded expert choices of every MoE layer: main stack's, then the MTP blocks' (or None)."""
 
 
 class ModelOutput(eqx.Module):
@@ -109,10 +111,17 @@ class DeepSeekV3(eqx.Module):
         return jnp.einsum("bsd,dv->bsv", h, w, preferred_element_type=self.config.logits_jnp_dtype)
 
     def __call__(
-        self, tokens: Int[Array, "batch seq"], *, return_routing: bool = False
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        return_routing: bool = False,
+        replay: RoutingReplay | None = None,
     ) -> ModelOutput:
         """Logits, MTP logits and MoE statistics of a batch of token sequences;
-        `return_routing` (a Python bool) adds every MoE layer's routing to the statistics.
+        `return_routing` (a Python bool) adds every MoE layer's routing to the statistics;
+        `replay` (`recorded_routing` of such an output) routes every token of every MoE layer
+        to the experts recorded there instead of the router's top-k, weighted from the
+        router's own scores (routing replay: sampling-time routing kept in training).
 
         Raises ValueError for an empty batch ([0, seq] or [batch, 0]), for sequences longer
         than `max_position_embeddings`, and, when the tokens are concrete (not traced), for ids
@@ -121,21 +130,32 @@ class DeepSeekV3(eqx.Module):
         its sequence's logits are NaN from its position on, never a silent clamp. Call
         `check_tokens` on the host batch to get the error (`train` does, for every batch).
         """
-        return self.from_embeddings(self._embed(tokens), return_routing=return_routing)
+        return self.from_embeddings(
+            self._embed(tokens), return_routing=return_routing, replay=replay
+        )
 
     def features(
-        self, tokens: Int[Array, "batch seq"], *, return_routing: bool = False
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        return_routing: bool = False,
+        replay: RoutingReplay | None = None,
     ) -> ModelFeatures:
         """`__call__` without the vocabulary head: the normed hidden states that the logits
         come from (`head_weight()`), for a loss that makes the logits itself."""
-        return ModelFeatures(*self._trunk(self._embed(tokens), lambda h: h, return_routing))
+        emb = self._embed(tokens)
+        return ModelFeatures(*self._trunk(emb, lambda h: h, return_routing, replay))
 
     def from_embeddings(
-        self, emb: Float[Array, "batch seq dim"], *, return_routing: bool = False
+        self,
+        emb: Float[Array, "batch seq dim"],
+        *,
+        return_routing: bool = False,
+        replay: RoutingReplay | None = None,
     ) -> ModelOutput:
         """Everything after the embedding lookup; `emb[b, i]` is token i's embedding, in the
         compute dtype. (Tests differentiate through this to check causality.)"""
-        return ModelOutput(*self._trunk(emb, self.head, return_routing))
+        return ModelOutput(*self._trunk(emb, self.head, return_routing, replay))
 
     def _embed(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq dim"]:
         c = self.config
@@ -157,16 +177,22 @@ class DeepSeekV3(eqx.Module):
             emb = jnp.take(self.embed_tokens, ids, axis=0, mode="fill", fill_value=jnp.nan)
             return emb.astype(c.compute_jnp_dtype)
 
-    def _trunk(self, emb, head, return_routing: bool):
+    def _trunk(self, emb, head, return_routing: bool, replay: RoutingReplay | None = None):
         """(head(final normed h), head of each MTP depth's normed h or None, MoE stats, MTP
         MoE stats): the fields of ModelOutput, or of ModelFeatures when `head` is the
         identity."""
         c = self.config
         with jax.named_scope("dense_layers"):
             h, _ = scan_blocks(self.dense_layers, emb, c.remat, c.unroll_layers)
+        main_ids, mtp_ids = (None, None) if replay is None else replay
         with jax.named_scope("moe_layers"):
             h, stats = scan_blocks(
-                self.moe_layers, h, c.remat, c.unroll_layers, return_routing=return_routing
+                self.moe_layers,
+                h,
+                c.remat,
+                c.unroll_layers,
+                return_routing=return_routing,
+                replay=main_ids,
             )
         with jax.named_scope("head"):
             h = self.norm(h)
@@ -175,7 +201,7 @@ class DeepSeekV3(eqx.Module):
         if self.mtp is not None:
             with jax.named_scope("mtp"):
                 mtp_out, mtp_stats = self.mtp(
-                    h, emb, head, remat=c.remat, return_routing=return_routing
+                    h, emb, head, remat=c.remat, return_routing=return_routing, replay=mtp_ids
                 )
         empty = None
         if stats is None or mtp_stats is None:
@@ -188,6 +214,15 @@ class DeepSeekV3(eqx.Module):
         )
 
 
+def recorded_routing(out: ModelOutput | ModelFeatures) -> RoutingReplay:
+    """The expert choice of every MoE layer in `out` (a call with `return_routing=True`), in
+    the form `DeepSeekV3.__call__(replay=...)` takes."""
+    main, mtp = out.moe_stats.expert_ids, out.mtp_moe_stats.expert_ids
+    if main is None:
+        raise ValueError("recorded_routing: the output holds no routing; call with return_routing")
+    return main, (mtp if mtp is not None and mtp.shape[0] else None)
+
+
 def _empty_stats(config: DeepSeekV3Config, tokens: int, seq: int, return_routing: bool) -> MoEStats:
     """MoEStats with a zero-length leading axis, shaped like a real MoE layer's."""
 
@@ -196,6 +231,7 @@ def _empty_stats(config: DeepSeekV3Config, tokens: int, seq: int, return_routing
             config.hidden_size,
             config.moe_intermediate_size,
             config.routing_spec(),
+            n_zero_experts=config.n_zero_experts,
             key=jax.random.key(0),
         )
         x = jnp.zeros((tokens, config.hidden_size))
@@ -232,29 +268,23 @@ def check_tokens(tokens: ArrayLike, config: DeepSeekV3Config) -> None:
 def with_updated_expert_bias(
     model: DeepSeekV3, out: ModelOutput, rate: float | Float[Array, ""]
 ) -> DeepSeekV3:
-    """Aux-loss-free balancing step: every router's `expert_bias` moved by `rate` towards balance,
-    from the loads in `out` (main MoE layers and MTP blocks). A no-op without biases."""
+    """Aux-loss-free balancing step: every router's `expert_bias` moved by its rule
+    (`TopKRouter.bias_update`) at `rate` towards balance, from the loads in `out` (main MoE
+    layers and MTP blocks). A no-op without biases."""
 
-    def bias_of(block):
-        return (
-            block.mlp.router.expert_bias
-            if isinstance(block, DecoderBlock) and isinstance(block.mlp, MoE)
-            else None
-        )
+    def moe_of(block):
+        is_moe = isinstance(block, DecoderBlock) and isinstance(block.mlp, MoE)
+        return block.mlp if is_moe else None
 
-    pairs = [
-        (lambda m: m.moe_layers.mlp.router.expert_bias, bias_of(model.moe_layers), out.moe_stats),
-    ]
+    pairs = [(lambda m: m.moe_layers.mlp.router.expert_bias, moe_of(model.moe_layers), True)]
     if model.mtp is not None:
-        pairs.append(
-            (
-                lambda m: m.mtp.layers.block.mlp.router.expert_bias,
-                bias_of(model.mtp.layers.block),
-                out.mtp_moe_stats,
-            )
-        )
-    for where, bias, stats in pairs:
-        if bias is not None:
-            new = update_expert_bias(bias, stats.tokens_per_expert, rate)
+        where_mtp = lambda m: m.mtp.layers.block.mlp.router.expert_bias  # noqa: E731
+        pairs.append((where_mtp, moe_of(model.mtp.layers.block), False))
+    for where, moe, main in pairs:
+        if moe is not None and moe.router.expert_bias is not None:
+            stats = out.moe_stats if main else out.mtp_moe_stats
+            loads = jnp.concatenate([stats.tokens_per_expert, stats.zero_tokens], -1)
+            bias = moe.router.expert_bias
+            new = moe.router.bias_update(bias, loads, rate, moe.bias_target(loads))
             model = eqx.tree_at(where, model, new)
     return model

@@ -65,11 +65,13 @@ class MTPModule(eqx.Module):
         emb: Float[Array, "batch seq dim"],
         *,
         return_routing: bool = False,
+        replay: Int[Array, "tokens k"] | None = None,
     ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
         """Next depth's hidden state (before `shared_head.norm`) and the block's MoE stats."""
         dt = h.dtype
         joined = jnp.concatenate([self.enorm(emb), self.hnorm(h)], axis=-1)
-        return self.block(joined @ self.eh_proj.astype(dt), return_routing=return_routing)
+        x = joined @ self.eh_proj.astype(dt)
+        return self.block(x, return_routing=return_routing, replay=replay)
 
 
 class MTP(eqx.Module):
@@ -92,6 +94,7 @@ class MTP(eqx.Module):
         *,
         remat: str = "none",
         return_routing: bool = False,
+        replay: Int[Array, "depth tokens k"] | None = None,
     ) -> tuple[Float[Array, "depth batch seq head_out"], MoEStats | None]:
         """Logits of every depth from the main hidden state `h` and token embeddings `emb`
         (`head` of each depth's normed hidden state: the normed state itself for an identity
@@ -101,7 +104,8 @@ class MTP(eqx.Module):
         their logits are masked out of the loss (`mtp_targets`), but their MoE routing counts in
         the block's stats (balance losses, the bias update's load) like any other position's:
         a share of (d + 1) / seq, which keeps every shape static. `return_routing` puts each
-        depth's routing in its stats."""
+        depth's routing in its stats, and `replay` gives each depth's MoE the expert choice
+        recorded so."""
         depth = jax.tree.leaves(eqx.filter(self.layers, eqx.is_array))[0].shape[0]
         seq = emb.shape[1]
         # Depth d reads the embedding of token i + d + 1: shift left, pad the end with zeros.
@@ -111,14 +115,14 @@ class MTP(eqx.Module):
         arrays, static = eqx.partition(self.layers, eqx.is_array)
 
         def body(h, xs):
-            layer_arrays, emb_d = xs
+            layer_arrays, emb_d, ids = xs
             layer = eqx.combine(layer_arrays, static)
-            h, stats = layer(h, emb_d, return_routing=return_routing)
+            h, stats = layer(h, emb_d, return_routing=return_routing, replay=ids)
             return h, (head(layer.shared_head.norm(h)), stats)
 
         if REMAT[remat] is not None:
             body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
-        _, (logits, stats) = jax.lax.scan(body, h, (arrays, shifted))
+        _, (logits, stats) = jax.lax.scan(body, h, (arrays, shifted, replay))
         return logits, stats
 
 

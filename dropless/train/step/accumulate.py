@@ -64,14 +64,28 @@ def accumulated(value_and_grad: Callable, micro_batches: int) -> Callable:
 def merged_stats(summed: MoEStats, micro_batches: int) -> MoEStats:
     """Statistics of `micro_batches` slices, from their field-by-field sum (fields stacked over
     layers): loads and drops summed, MaxVio recomputed per layer from the summed loads, the
-    losses averaged."""
+    losses, router probabilities and entropies averaged."""
     stats = with_loads(summed, summed.tokens_per_expert, summed.dropped)
-    losses = (stats.balance_loss, stats.seq_balance_loss, stats.z_loss)
+    means = (
+        stats.balance_loss,
+        stats.seq_balance_loss,
+        stats.z_loss,
+        stats.router_probability,
+        stats.router_entropy,
+        stats.active_experts,
+    )
     # tree_at, not MoEStats(...): the fields are stacked over layers
     return eqx.tree_at(
-        lambda s: (s.balance_loss, s.seq_balance_loss, s.z_loss),
+        lambda s: (
+            s.balance_loss,
+            s.seq_balance_loss,
+            s.z_loss,
+            s.router_probability,
+            s.router_entropy,
+            s.active_experts,
+        ),
         stats,
-        tuple(loss / micro_batches for loss in losses),
+        tuple(mean / micro_batches for mean in means),
     )
 
 

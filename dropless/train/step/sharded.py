@@ -23,6 +23,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, PyTree
@@ -208,20 +209,24 @@ def _global_stats(stats: MoEStats, axes: tuple[str, ...]) -> MoEStats:
     drops of the whole batch (MaxVio recomputed per layer from them); losses stay per shard (the
     caller averages them)."""
     counts, dropped = stats.tokens_per_expert, stats.dropped
-    if axes:
-        counts = jax.lax.psum(counts, axes)
-        dropped = jax.lax.psum(dropped, axes)
-    return with_loads(stats, counts, dropped)
+    if not axes:
+        return stats
+    stats = eqx.tree_at(lambda s: s.zero_tokens, stats, jax.lax.psum(stats.zero_tokens, axes))
+    return with_loads(stats, jax.lax.psum(counts, axes), jax.lax.psum(dropped, axes))
 
 
-def _local_loss(mesh: Mesh):
+def _local_loss(mesh: Mesh, loads: Array | None = None):
     """`loss_fn((model, weights), tokens)` for `sharded_value_and_grad`: the weighted
-    loss of this shard, and (terms, global main-stack stats, global MTP stats) as aux."""
+    loss of this shard, and (terms, global main-stack stats, global MTP stats) as aux. The
+    global-batch balance loss reads `loads` (the whole batch's), or the shards' loads summed."""
     axes = sharding.batch_axes(mesh)
+
+    def gather(counts):
+        return jax.lax.psum(counts, axes) if axes else counts
 
     def loss_fn(model_and_weights, tokens):
         model, weights = model_and_weights
-        loss, (terms, stats) = weighted_loss(model, tokens, weights)
+        loss, (terms, stats) = weighted_loss(model, tokens, weights, loads, gather=gather)
         return loss, (terms, tuple(_global_stats(s, axes) for s in stats))
 
     return loss_fn
@@ -235,8 +240,17 @@ def sharded_train_step(
     must be placed by `shard_state`, `tokens` by `sharding.shard_batch`. `state` is donated."""
     trainable = optim.trainable_filter(state.model)
     frozen_weights = jax.tree.map(lambda _: False, state.hparams)
+    loads = None
+    if micro_batches > 1:  # the global-batch loss needs the whole batch's loads first
+        loads = jax.lax.cond(
+            state.hparams["global_balance_loss_coef"] != 0,
+            lambda: sharded_eval_step(mesh, state.model, tokens, state.hparams, micro_batches)[
+                "tokens_per_expert"
+            ],
+            lambda: jnp.zeros_like(state.expert_load),
+        )
     value_and_grad = sharded_value_and_grad(
-        _local_loss(mesh), mesh, has_aux=True, diff_filter=(trainable, frozen_weights)
+        _local_loss(mesh, loads), mesh, has_aux=True, diff_filter=(trainable, frozen_weights)
     )
     value_and_grad = accumulated(value_and_grad, micro_batches)
     (loss, (terms, stats)), (grads, _) = value_and_grad((state.model, state.hparams), tokens)

@@ -4,17 +4,20 @@ loss = cross-entropy(next token)
      + mtp_loss_weight * mean over depths of the MTP cross-entropies
      + balance_loss_coef * sum over MoE layers of the batch-wise balance loss
      + seq_balance_loss_coef * sum over MoE layers of the sequence-wise balance loss
+     + global_balance_loss_coef * sum over MoE layers of the global-batch balance loss
      + z_loss_coef * sum over MoE layers of the router z-loss
 
 "MoE layers" are the main stack's and the MTP blocks'. The routers' `expert_bias`
 (aux-loss-free balancing) is no parameter of the optimiser: it is partitioned out before the
 gradient (so it gets neither gradient nor weight decay) and moved after the optimiser step by
-the sign rule (`dropless.balance.update_expert_bias`, through `with_updated_expert_bias`) from
-the step's tokens-per-expert.
+its router's rule (`dropless.bias_update`, through `with_updated_expert_bias`) from the step's
+tokens-per-expert.
 
 Loss weights and the schedule live in the state as arrays (`TrainState.hparams`), like the
 optimiser's numbers: the compiled step depends only on the model and the batch shape.
 """
+
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
+from dropless import balance
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     ModelFeatures,
@@ -33,7 +37,7 @@ from dropless.moe import MoE, MoEStats
 from dropless.precision import apply_updates
 from dropless.train.config import TrainConfig
 from dropless.train.step import optim
-from dropless.train.step.accumulate import accumulated
+from dropless.train.step.accumulate import accumulated, micro_batch_slices
 from dropless.train.step.cross_entropy import cross_entropy, head_cross_entropy
 
 # TrainConfig fields that the step reads as data (see `hparams`).
@@ -45,6 +49,7 @@ HPARAM_FIELDS = (
     "mtp_loss_weight",
     "balance_loss_coef",
     "seq_balance_loss_coef",
+    "global_balance_loss_coef",
     "z_loss_coef",
     "bias_update_rate",
 )
@@ -164,6 +169,7 @@ def total_loss(
         + weights["mtp_loss_weight"] * terms["mtp"]
         + weights["balance_loss_coef"] * terms["balance_loss"]
         + weights["seq_balance_loss_coef"] * terms["seq_balance_loss"]
+        + weights["global_balance_loss_coef"] * terms["global_balance_loss"]
         + weights["z_loss_coef"] * terms["z_loss"]
     )
 
@@ -176,6 +182,9 @@ def stats_metrics(out: ModelOutput) -> dict[str, Array]:
         "max_vio_layers": max_vio,
         "tokens_per_expert": stats.tokens_per_expert,
         "dropped": stats.dropped.sum(),
+        "router_entropy": stats.router_entropy.mean() if max_vio.size else jnp.zeros(()),
+        "unused_experts": jnp.sum(stats.tokens_per_expert == 0),
+        "active_experts": stats.active_experts.mean() if max_vio.size else jnp.zeros(()),
     }
 
 
@@ -198,14 +207,24 @@ def train_step(
     `micro_batches` > 1 computes the gradient in that many passes over equal slices of the
     batch (`dropless.train.step.accumulate`), for batches too large for one pass.
 
-    Metrics are device arrays: scalars (loss, ce, mtp, balance_loss, seq_balance_loss, z_loss,
-    max_vio, dropped, grad_norm, update_norm, param_norm, lr) plus `max_vio_layers [layers]` and
+    Metrics are device arrays: scalars (loss, ce, mtp, balance_loss, seq_balance_loss,
+    global_balance_loss, z_loss, max_vio, dropped, router_entropy and active_experts (computing
+    experts per token; means over MoE layers), unused_experts (experts no token chose in this
+    step, over all MoE layers), grad_norm,
+    update_norm, param_norm, lr) plus `max_vio_layers [layers]` and
     `tokens_per_expert [layers experts]`.
     """
     params, frozen = eqx.partition(state.model, optim.trainable_filter(state.model))
+    loads = None
+    if micro_batches > 1:  # the global-batch loss needs the whole batch's loads first
+        loads = jax.lax.cond(
+            state.hparams["global_balance_loss_coef"] != 0,
+            lambda: batch_loads(state.model, tokens, micro_batches),
+            lambda: jnp.zeros_like(state.expert_load),
+        )
 
     def loss_fn(params, tokens):
-        return weighted_loss(eqx.combine(params, frozen), tokens, state.hparams)
+        return weighted_loss(eqx.combine(params, frozen), tokens, state.hparams, loads)
 
     value_and_grad = accumulated(eqx.filter_value_and_grad(loss_fn, has_aux=True), micro_batches)
     (loss, (terms, stats)), grads = value_and_grad(params, tokens)
@@ -213,12 +232,46 @@ def train_step(
 
 
 def weighted_loss(
-    model: DeepSeekV3, tokens: Int[Array, "batch window"], weights: dict[str, Float[Array, ""]]
+    model: DeepSeekV3,
+    tokens: Int[Array, "batch window"],
+    weights: dict[str, Float[Array, ""]],
+    loads: Float[Array, "layers experts"] | None = None,
+    *,
+    gather: Callable[[Array], Array] | None = None,
 ) -> tuple[Float[Array, ""], tuple[dict[str, Float[Array, ""]], tuple[MoEStats, MoEStats]]]:
     """The loss the optimiser minimises, with (its terms, the MoE statistics of the main stack
-    and of the MTP blocks): what `accumulated` sums over micro-batches."""
+    and of the MTP blocks): what `accumulated` sums over micro-batches.
+
+    The global-batch balance loss takes its load fractions from `loads` (tokens per expert of
+    the whole step's batch, every MoE layer: `batch_loads`), or without them from this batch's
+    own loads passed through `gather` (on a mesh: summed over the data shards)."""
     terms, out = loss_terms(model, tokens)
+    stats = all_moe_stats(out)
+    if loads is None:
+        loads = stats.tokens_per_expert if gather is None else gather(stats.tokens_per_expert)
+    per_layer = balance.global_balance_loss(stats.router_probability, loads)
+    terms["global_balance_loss"] = per_layer.sum()
     return total_loss(terms, weights), (terms, (out.moe_stats, out.mtp_moe_stats))
+
+
+def batch_loads(
+    model: DeepSeekV3, tokens: Int[Array, "batch window"], micro_batches: int = 1
+) -> Float[Array, "layers experts"]:
+    """Tokens per expert of every MoE layer over the whole batch (no gradient), a forward pass
+    without the vocabulary head in `micro_batches` slices: the global-batch balance loss's
+    loads when the step runs in slices."""
+
+    def loads(model, micro):
+        return all_moe_stats(model.features(micro[:, :-1])).tokens_per_expert
+
+    slices = micro_batch_slices(tokens, micro_batches)
+
+    def add(total, micro):
+        return total + loads(model, micro), None
+
+    zeros = jax.eval_shape(loads, model, slices[0])
+    total, _ = jax.lax.scan(add, jnp.zeros(zeros.shape, zeros.dtype), slices)
+    return total
 
 
 def loads_only(stats: tuple[MoEStats, MoEStats]) -> ModelOutput:

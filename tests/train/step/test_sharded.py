@@ -235,3 +235,40 @@ def test_prepare_model_keeps_an_expert_parallel_backend_and_replaces_others():
     # expert=1: nothing to exchange, the model's own backend stays
     single = DeepSeekV3(config, key=jax.random.key(0))
     assert dispatcher(prepare_model(single, sharding.make_mesh(data=8))) == dispatcher(single)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_global_balance_loss_on_a_mesh_is_the_single_device_loss_of_the_whole_batch(
+    micro_batches,
+):
+    """The global-batch balance loss on 8 devices (data and expert axes), in one pass or in
+    micro-batches, equals the batch-wise loss of the whole batch on one device, and the step
+    equals that device's; the per-device batch-wise loss does not."""
+    config = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
+    train_config = TrainConfig(
+        steps=2,
+        batch_size=16,
+        seq_len=8,
+        warmup_steps=0,
+        micro_batches=micro_batches,
+        global_balance_loss_coef=0.1,
+        seq_balance_loss_coef=0.0,
+    )
+    mesh = sharding.make_mesh(data=4, expert=2)
+    model = prepare_model(DeepSeekV3(config, key=jax.random.key(0)), mesh)
+    state = shard_state(init_state(model, train_config), mesh)
+    ref = init_state(DeepSeekV3(config, key=jax.random.key(0)), train_config)
+    tokens = jax.random.randint(jax.random.key(0), (16, 9), 0, config.vocab_size)
+    state, metrics = sharded_train_step(
+        mesh, state, sharding.shard_batch(tokens, mesh), micro_batches
+    )
+    ref, ref_metrics = train_step(ref, tokens)  # one device, one pass
+    for name in ("loss", "global_balance_loss"):
+        np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(
+        ref_metrics["global_balance_loss"], ref_metrics["balance_loss"], rtol=RTOL
+    )
+    assert abs(float(metrics["balance_loss"]) - float(ref_metrics["balance_loss"])) > 1e-4
+    got = state.model.moe_layers.mlp.router.w_router
+    want = ref.model.moe_layers.mlp.router.w_router
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dropless.balance import update_expert_bias
+from dropless.bias_update import ProportionalBiasUpdate, SignBiasUpdate
 from dropless.data.datasets import SyntheticCorpus
 from dropless.models.deepseek_v3 import DeepSeekV3, ModelFeatures, ModelOutput, get_preset
 from dropless.train.config import TrainConfig
@@ -178,3 +179,57 @@ def test_bf16_logits_train_within_their_rounding():
         wide_error = np.linalg.norm(np.asarray(wide, np.float32) - ref)
         narrow_error = np.linalg.norm(np.asarray(narrow, np.float32) - ref)
         assert narrow_error <= 1.1 * wide_error + 1e-7 * np.linalg.norm(ref)
+
+
+def small_model(**changes) -> DeepSeekV3:
+    config = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0, **changes)
+    return DeepSeekV3(config, key=jax.random.key(0))
+
+
+def test_global_balance_loss_in_micro_batches_is_the_whole_batchs():
+    """The global-batch balance loss of a step in 2 micro-batches is the batch-wise loss of the
+    whole batch in one pass, and so is the step it takes; the per-micro-batch loss is not."""
+    config = TrainConfig(
+        global_balance_loss_coef=0.1, seq_balance_loss_coef=0.0, bias_update_rate=0.0
+    )
+    batch = tokens()
+    one, m1 = train_step(init_state(small_model(), config), batch)
+    two, m2 = train_step(init_state(small_model(), config), batch, 2)
+    np.testing.assert_allclose(m2["global_balance_loss"], m1["global_balance_loss"], rtol=1e-5)
+    np.testing.assert_allclose(m1["global_balance_loss"], m1["balance_loss"], rtol=1e-6)
+    assert abs(float(m2["balance_loss"]) - float(m1["balance_loss"])) > 1e-4
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5)
+    w1 = one.model.moe_layers.mlp.router.w_router
+    w2 = two.model.moe_layers.mlp.router.w_router
+    np.testing.assert_allclose(w2, w1, rtol=1e-4, atol=1e-6)
+    # at 0 the pass that gathers the loads is skipped and the term reads 0
+    off = TrainConfig(seq_balance_loss_coef=0.0, bias_update_rate=0.0)
+    _, m0 = train_step(init_state(small_model(), off), batch, 2)
+    assert float(m0["global_balance_loss"]) == 0.0
+
+
+def test_the_models_bias_rule_moves_the_bias():
+    model = small_model(bias_update="proportional")
+    assert model.moe_layers.mlp.router.bias_update == ProportionalBiasUpdate()
+    before = jnp.array(model.moe_layers.mlp.router.expert_bias)  # the step donates the model
+    state, metrics = train_step(init_state(model, TrainConfig(bias_update_rate=0.01)), tokens())
+    load = metrics["tokens_per_expert"]
+    want = ProportionalBiasUpdate()(before, load, 0.01)
+    np.testing.assert_allclose(state.model.moe_layers.mlp.router.expert_bias, want, atol=1e-7)
+    assert float(jnp.abs(want).max()) > 0
+
+
+def test_zero_computation_experts_train_and_their_biases_follow_their_target():
+    changes = dict(n_group=1, topk_group=1, n_zero_experts=2, zero_expert_active=1.0)
+    model = small_model(**changes)
+    moe = small_model(**changes).moe_layers.mlp  # the step donates `model`
+    stats = eqx.filter_jit(lambda m, t: m(t[:, :-1]))(model, tokens()).moe_stats
+    state, metrics = train_step(init_state(model, TrainConfig(bias_update_rate=0.01)), tokens())
+    assert metrics["tokens_per_expert"].shape == (1, 16)  # one MoE layer
+    assert 0 < float(metrics["active_experts"]) <= 2
+    bias = state.model.moe_layers.mlp.router.expert_bias
+    assert bias.shape == (1, 18)
+    # the sign rule towards `MoE.bias_target`: 1 computing expert per token, 1 zero one
+    loads = jnp.concatenate([stats.tokens_per_expert, stats.zero_tokens], -1)
+    want = SignBiasUpdate()(moe.router.expert_bias, loads, 0.01, moe.bias_target(loads))
+    np.testing.assert_allclose(bias, want, atol=1e-7)
