@@ -19,8 +19,16 @@ from dropless.train.plan import (
     plan,
     train_config,
 )
+from dropless.train.plan_compile import (
+    GPU_COMPILER_OPTIONS,
+    GPUS,
+    PluginMissingError,
+    check_plugin,
+    compiled_memory,
+    gpu_devices,
+)
 
-GPU_NAMES = ("H100", "H200")
+GPU_NAMES = tuple(GPUS)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -63,8 +71,6 @@ def run(args: argparse.Namespace) -> int:
     """Prints the plan of `args` (from `build_parser`); a bad setting is one line on stderr,
     exit 2."""
     if args.compile is not None:
-        from dropless.train.plan_compile import PluginMissingError, check_plugin
-
         try:
             if args.compile not in GPU_NAMES:
                 raise ValueError(f"--compile ({args.compile!r}) must be one of {GPU_NAMES}")
@@ -105,11 +111,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _compile(args: argparse.Namespace, config, p) -> int:
     """Compiles the step for `args.compile` GPUs and prints XLA's figure beside the plan's."""
-    from dropless.train.plan_compile import GPU_COMPILER_OPTIONS, compiled_memory, gpu_devices
-
     train = train_config(args.batch_size, args.seq_len, args.micro_batches, args.moments_dtype)
     if args.remat is not None:
         config = config.replace(remat=args.remat)
+    if config.attention_impl == "cudnn":
+        # cuDNN's attention asks the cuDNN library for its version while tracing; the blockwise
+        # attention keeps the same residuals (the output and a float32 statistic per row)
+        print("cuDNN's attention cannot be compiled without cuDNN: compiled as 'blockwise'")
+        config = config.replace(attention_impl="blockwise")
     devices = gpu_devices(args.compile, p.devices)
     print(f"compiling the train step for {p.devices} x {devices[0].device_kind} ...", flush=True)
     m = compiled_memory(config, train, args.mesh, devices, GPU_COMPILER_OPTIONS)

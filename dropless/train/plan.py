@@ -36,8 +36,8 @@ from dropless.backends.ep import buffer_rows
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, count_params
 from dropless.train import optim
 from dropless.train.config import MAX_BF16_BETA, TrainConfig
-from dropless.train.step import HPARAM_FIELDS
 from dropless.train.plan_activations import activations
+from dropless.train.step import HPARAM_FIELDS
 
 EXCHANGES = ("ragged", "all_to_all")
 FSDP_GATHERS = ("step", "layer")

@@ -91,7 +91,8 @@ def test_equals_plain_attention_values_and_gradients(case):
     got, want = value_and_grads(blockwise, args, cotangent), value_and_grads(plain, args, cotangent)
     # float32 rounding of sums taken in another order: relative to each array's largest entry
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=0, atol=2e-5 * max(1.0, float(np.max(np.abs(w), initial=0))))
+        largest = float(np.max(np.abs(w), initial=0))
+        np.testing.assert_allclose(g, w, rtol=0, atol=2e-5 * max(1.0, largest))
 
 
 def test_without_a_shared_part_and_in_bfloat16():
