@@ -196,7 +196,7 @@ def main():
     parser.add_argument("--peak", type=float, default=989e12, help="peak FLOP/s for MFU")
     parser.add_argument("--compute-dtype", default="bfloat16")
     parser.add_argument("--remat", default="none")
-    parser.add_argument("--attention-impl", default="xla", choices=("xla", "cudnn"))
+    parser.add_argument("--attention-impl", default="xla", choices=("xla", "blockwise", "cudnn"))
     parser.add_argument("--unroll-layers", action="store_true", help="unroll the layer scan")
     parser.add_argument(
         "--set",

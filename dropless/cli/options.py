@@ -50,7 +50,7 @@ MODEL_HELP = {
     "param_dtype": "Parameter dtype: 'float32' or 'bfloat16'.",
     "compute_dtype": "Compute dtype: 'float32' or 'bfloat16'.",
     "remat": "Rematerialisation per layer: 'none', 'full', 'dots', 'dots_no_batch'.",
-    "attention_impl": "Attention: 'xla' (anywhere) or 'cudnn' (NVIDIA GPUs).",
+    "attention_impl": "Attention: 'xla' or 'blockwise' (anywhere), 'cudnn' (NVIDIA GPUs).",
     "unroll_layers": "Unroll the scan over layers: faster steps on a GPU, longer compiles.",
     "loss_chunk": "Positions per chunk of the loss's vocabulary head (None: all at once); "
     "chunks never hold the whole float32 logits.",

@@ -6,22 +6,96 @@ Keys and values come from a shared low-rank latent: `kv_a_proj_with_mqa` maps x 
 `q_a_proj -> q_a_layernorm -> q_b_proj` when `q_lora_rank` is set. Each head's query and key are
 [nope | rope]; the rope part of the key is one vector shared by every head (decoupled RoPE).
 Field names follow the Hugging Face checkpoint; weights are stored [in out].
+
+How the heads attend is a strategy value, `MLA(..., attention=XlaAttention())`: `XlaAttention`
+(einsums; keeps float32 `[batch heads seq seq]` probabilities for the backward; the oracle),
+`BlockwiseAttention` (flash-style tiles in plain JAX, keeps the output and a log-sum-exp per row)
+or `CudnnAttention` (cuDNN's fused kernel, NVIDIA GPUs). `ATTENTIONS` names them for
+`DeepSeekV3Config.attention_impl`.
 """
 
+import abc
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from dropless.nn.blockwise_attention import blockwise_attention
 from dropless.nn.rmsnorm import RMSNorm
 from dropless.nn.rope import RotaryEmbedding, softmax_scale
 from dropless.precision import f32_einsum
 from dropless.swiglu import init_linear
 
-AttentionImpl = Literal["xla", "cudnn"]
+
+class AbstractAttention(eqx.Module):
+    """How MLA's heads attend: causal softmax(scale * q.k) @ v per head, where each query is
+    `[nope | rope]` and each key is `[k_nope | k_rope]` with k_rope one vector shared by every
+    head (decoupled RoPE). Query and key heads may be wider than value heads (`dv`).
+    Strategies differ in memory and kernels, not in the result."""
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        q: Float[Array, "batch seq heads qk"],
+        k_nope: Float[Array, "batch seq heads nope"],
+        k_rope: Float[Array, "batch seq rope"],
+        v: Float[Array, "batch seq heads dv"],
+        scale: float,
+    ) -> Float[Array, "batch seq heads dv"]: ...
+
+
+class XlaAttention(AbstractAttention):
+    """Einsum attention: float32 scores and probabilities `[batch heads seq seq]`, which the
+    backward keeps (the oracle of the other strategies)."""
+
+    def __call__(self, q, k_nope, k_rope, v, scale):
+        # Scores in float32 (backward matmuls in the input dtype); the shared rope key is
+        # contracted without broadcasting it per head.
+        nope = k_nope.shape[-1]
+        scores = f32_einsum("bqhd,bkhd->bhqk", q[..., :nope], k_nope)
+        scores += f32_einsum("bqhd,bkd->bhqk", q[..., nope:], k_rope)
+        seq = scores.shape[-1]
+        causal = jnp.tril(jnp.ones((seq, seq), bool))
+        scores = jnp.where(causal, scores * scale, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+class BlockwiseAttention(AbstractAttention):
+    """Flash-style attention in plain JAX (`dropless.nn.blockwise_attention`): an online
+    softmax over `block_q x block_k` tiles, skipping the tiles above the diagonal; the backward
+    keeps the output and a float32 log-sum-exp per row and recomputes the tiles. Runs anywhere."""
+
+    block_q: int = eqx.field(static=True, default=512)
+    block_k: int = eqx.field(static=True, default=512)
+
+    def __call__(self, q, k_nope, k_rope, v, scale):
+        nope = k_nope.shape[-1]
+        return blockwise_attention(
+            q[..., :nope], k_nope, v, scale, q_shared=q[..., nope:], k_shared=k_rope,
+            block_q=self.block_q, block_k=self.block_k,
+        )  # fmt: skip
+
+
+class CudnnAttention(AbstractAttention):
+    """cuDNN's fused attention (NVIDIA GPUs; `cudnn_attention`). Like the blockwise strategy,
+    its backward keeps the output and a float32 softmax statistic per row."""
+
+    def __call__(self, q, k_nope, k_rope, v, scale):
+        # cuDNN takes one key per head: the shared rope key is broadcast to every head.
+        k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))
+        k = jnp.concatenate([k_nope, k_rope], axis=-1)
+        return cudnn_attention(q, k, v, scale)
+
+
+ATTENTIONS: dict[str, type[AbstractAttention]] = {
+    "xla": XlaAttention,
+    "blockwise": BlockwiseAttention,
+    "cudnn": CudnnAttention,
+}
 
 
 class MLA(eqx.Module):
@@ -42,7 +116,7 @@ class MLA(eqx.Module):
     v_head_dim: int = eqx.field(static=True)
     kv_lora_rank: int = eqx.field(static=True)
     scale: float = eqx.field(static=True)
-    impl: AttentionImpl = eqx.field(static=True)
+    attention: AbstractAttention
 
     def __init__(
         self,
@@ -59,10 +133,12 @@ class MLA(eqx.Module):
         max_position_embeddings: int = 2048,
         rope_interleave: bool = True,
         eps: float = 1e-6,
-        impl: AttentionImpl = "xla",
+        attention: AbstractAttention = XlaAttention(),  # noqa: B008 (immutable)
         dtype=jnp.float32,
         key: PRNGKeyArray,
     ):
+        if not isinstance(attention, AbstractAttention):
+            raise TypeError(f"MLA: attention must be an AbstractAttention, got {attention!r}")
         k_q, k_qa, k_qb, k_kva, k_kvb, k_o = jax.random.split(key, 6)
         qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         q_out = num_heads * qk_head_dim
@@ -93,7 +169,7 @@ class MLA(eqx.Module):
         self.v_head_dim = v_head_dim
         self.kv_lora_rank = kv_lora_rank
         self.scale = softmax_scale(qk_head_dim, rope_scaling)
-        self.impl = impl
+        self.attention = attention
 
     def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
         """Causal self-attention; position i attends to positions 0..i of its own sequence."""
@@ -116,31 +192,12 @@ class MLA(eqx.Module):
             kv = (latent @ self.kv_b_proj.astype(dt)).reshape(batch, seq, h, nope + self.v_head_dim)
             k_nope, v = kv[..., :nope], kv[..., nope:]
         with jax.named_scope("attention"):
-            if self.impl == "cudnn":
-                out = self._cudnn(q, q_rope, k_nope, k_rope, v)
-            else:
-                out = self._xla(q[..., :nope], q_rope, k_nope, k_rope, v)
+            # The rotated part is written over the projection's own rope columns: an update of
+            # those columns only (a third of q at DeepSeek-V3's 128 + 64), where a concatenation
+            # of q's two parts would copy all of it.
+            q = q.at[..., nope:].set(q_rope)
+            out = self.attention(q, k_nope, k_rope, v, self.scale)
         return out.reshape(batch, seq, h * self.v_head_dim) @ self.o_proj.astype(dt)
-
-    def _xla(self, q_nope, q_rope, k_nope, k_rope, v):
-        # Scores in float32 (backward matmuls in the input dtype); the shared rope key is
-        # contracted without broadcasting it per head.
-        scores = f32_einsum("bqhd,bkhd->bhqk", q_nope, k_nope)
-        scores += f32_einsum("bqhd,bkd->bhqk", q_rope, k_rope)
-        seq = scores.shape[-1]
-        causal = jnp.tril(jnp.ones((seq, seq), bool))
-        scores = jnp.where(causal, scores * self.scale, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-
-    def _cudnn(self, q, q_rope, k_nope, k_rope, v):
-        # The rotated part is written over the projection's own rope columns: an update of
-        # those columns only (a third of q at DeepSeek-V3's 128 + 64), where a concatenation
-        # of q's two parts would copy all of it.
-        q = q.at[..., self.qk_nope_head_dim :].set(q_rope)
-        k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))
-        k = jnp.concatenate([k_nope, k_rope], axis=-1)
-        return cudnn_attention(q, k, v, self.scale)
 
 
 def cudnn_attention(

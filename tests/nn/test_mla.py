@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.nn.mla import MLA, cudnn_attention
+from dropless.nn.mla import MLA, BlockwiseAttention, CudnnAttention, XlaAttention, cudnn_attention
 
 DIM, HEADS, NOPE, ROPE, V, KV_RANK = 32, 3, 8, 6, 10, 12
 YARN = {
@@ -21,7 +21,7 @@ YARN = {
 }
 
 
-def make_mla(q_lora_rank, interleave=True, rope_scaling=None, key=0, impl="xla"):
+def make_mla(q_lora_rank, interleave=True, rope_scaling=None, key=0, attention=XlaAttention()):  # noqa: B008
     mla = MLA(
         DIM,
         HEADS,
@@ -33,7 +33,7 @@ def make_mla(q_lora_rank, interleave=True, rope_scaling=None, key=0, impl="xla")
         rope_scaling=rope_scaling,
         max_position_embeddings=64,
         rope_interleave=interleave,
-        impl=impl,
+        attention=attention,
         key=jax.random.key(key),
     )
     # Norm weights start at one; make every array random so a misplaced norm shows.
@@ -153,7 +153,7 @@ def test_cudnn_path_assembles_heads_like_xla(monkeypatch):
     output and gradients equal the XLA path's."""
     monkeypatch.setattr("dropless.nn.mla.cudnn_attention", _causal_attention)
     mla = make_mla(16, rope_scaling=YARN)
-    fused = make_mla(16, rope_scaling=YARN, impl="cudnn")
+    fused = make_mla(16, rope_scaling=YARN, attention=CudnnAttention())
     x = jax.random.normal(jax.random.key(4), (2, 16, DIM))
     cotangent = jax.random.normal(jax.random.key(5), (2, 16, DIM))
 
@@ -172,7 +172,7 @@ def test_cudnn_path_assembles_heads_like_xla(monkeypatch):
 @pytest.mark.gpu
 def test_cudnn_matches_xla():
     mla = make_mla(16, rope_scaling=YARN)
-    fused = make_mla(16, rope_scaling=YARN, impl="cudnn")
+    fused = make_mla(16, rope_scaling=YARN, attention=CudnnAttention())
     x = jax.random.normal(jax.random.key(4), (2, 64, DIM)).astype(jnp.bfloat16)
     want = np.asarray(eqx.filter_jit(mla)(x), np.float32)
     got = np.asarray(eqx.filter_jit(fused)(x), np.float32)
@@ -216,3 +216,23 @@ def test_cudnn_attention_with_narrow_values_matches_plain_attention(mla_widths):
     )
     for g, w in zip(got[1], want[1], strict=True):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("q_lora_rank,seq", [(16, 37), (None, 16)])
+def test_blockwise_equals_xla_values_and_gradients(q_lora_rank, seq):
+    """The blockwise strategy (tiles of 8 queries x 16 keys: several per sequence, the last
+    one partial) against the einsum attention: output and every weight's gradient."""
+    mla = make_mla(q_lora_rank, rope_scaling=YARN)
+    tiled = eqx.tree_at(lambda m: m.attention, mla, BlockwiseAttention(block_q=8, block_k=16))
+    x = jax.random.normal(jax.random.key(6), (2, seq, DIM))
+    cotangent = jax.random.normal(jax.random.key(7), (2, seq, DIM))
+
+    def loss(model_and_x):
+        model, x = model_and_x
+        return jnp.sum(model(x) * cotangent)
+
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    got, want = jax.tree.leaves(grad((tiled, x))), jax.tree.leaves(grad((mla, x)))
+    assert len(got) == len(want) >= 7  # the loss, x and every weight
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(w))))

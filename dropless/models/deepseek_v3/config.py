@@ -22,7 +22,7 @@ TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 SCORING_FUNCS = ("sigmoid", "softmax")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLS = ("xla", "cudnn")
+ATTENTION_IMPLS = ("xla", "blockwise", "cudnn")
 ATTENTION_TYPES = ("mla", "gqa")
 # The other Hugging Face families a config maps to, by model type (`dropless.models.hf_family`).
 FAMILIES = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, OLMOE)}
@@ -74,7 +74,8 @@ class DeepSeekV3Config:
     dropless settings: `param_dtype`/`compute_dtype` ("float32" | "bfloat16"; bf16 compute casts
     weights at use, norms, softmax and routing stay float32), `remat` ("none" | "full" | "dots" |
     "dots_no_batch", a `jax.checkpoint` policy per scanned layer), `attention_impl` ("xla"
-    einsum attention, or "cudnn" fused attention on NVIDIA GPUs), `unroll_layers` (unroll the
+    einsum attention, "blockwise" flash-style attention in plain JAX, or "cudnn" fused attention
+    on NVIDIA GPUs: `dropless.nn.mla.ATTENTIONS`), `unroll_layers` (unroll the
     scan over layers: no stacking of per-layer residuals, longer compiles) and `loss_chunk`
     (None, or positions per chunk of the training loss's vocabulary head: the loss then makes
     the logits and their gradient chunk by chunk, `dropless.train.head_cross_entropy`) and

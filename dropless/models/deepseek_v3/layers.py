@@ -19,7 +19,7 @@ from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.moe import MoE, MoEStats
 from dropless.nn.attention import GQA
-from dropless.nn.mla import MLA
+from dropless.nn.mla import ATTENTIONS, MLA
 from dropless.nn.unroll import unrolled_scan
 from dropless.precision import cast_for_compute
 from dropless.swiglu import SwiGLU
@@ -89,7 +89,7 @@ def make_attention(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> MLA | GQA:
         v_head_dim=c.v_head_dim,
         # the latent norms keep MLA's own 1e-6 whatever rms_norm_eps says, as DeepSeek's and
         # transformers' code do
-        impl=c.attention_impl,
+        attention=ATTENTIONS[c.attention_impl](),
         dtype=dt,
         key=key,
         **rope,

@@ -21,7 +21,10 @@ backward recomputes one layer at a time, so one layer's "none" residuals are liv
 Expert parallelism: the trace runs the single-device dispatcher, whose rows are the
 `tokens * k` copies; the `ep` dispatcher computes on a static receive buffer instead
 (`dropless.backends.ep.buffer_rows`), so every residual dimension of `tokens * k` rows is scaled
-to that buffer. Parameters that the backward reads are parameters, counted once, not here.
+to that buffer. Parameters that the backward reads are parameters, counted once, not here;
+their compute-dtype casts (bf16 copies of float32 weights, kept under remat "none") are weights,
+not activations: they do not grow with the batch, and an expert weight's copy holds the
+device's experts only (`Activations.weight_copies`).
 """
 
 import dataclasses
@@ -47,36 +50,55 @@ class Activations:
 
     saved: int  # residuals of the whole loss under the remat policy
     recompute: int  # one layer's residuals recomputed in the backward (0 without remat)
+    weight_copies: int  # residuals that do not grow with the batch: compute-dtype weight casts
 
     @property
     def total(self) -> int:
         return self.saved + self.recompute
 
 
-def _bytes(residuals, copies: int, rows: int) -> int:
-    total = 0
-    for aval, why in residuals:
+def _bytes(aval, copies: int, rows: int, experts: int, ep: int) -> int:
+    """Bytes of a residual on one device: dimensions of `copies` rows become the EP buffer's
+    `rows`; with `ep` > 1 (a weight's copy only) an experts dimension is this device's share."""
+    size = aval.dtype.itemsize
+    for dim in aval.shape:
+        if dim == copies and rows != copies:
+            size *= rows
+        elif dim == experts and ep > 1:
+            size *= dim // ep
+        else:
+            size *= dim
+    return size
+
+
+def _split(small, large, copies: int, rows: int, experts: int, ep: int) -> tuple[int, int]:
+    """(activation bytes, weight-shaped bytes) of the residuals `small` traced at one batch,
+    told apart by `large`, the same residuals traced at twice the batch: an activation grows
+    with the batch, a weight's compute-dtype copy (or a position table) does not."""
+    same_program = len(small) == len(large)
+    act = weights = 0
+    for i, (aval, why) in enumerate(small):
         if "argument" in why:  # a parameter (or the batch) read by the backward
             continue
-        size = 1
-        for dim in aval.shape:
-            size *= rows if dim == copies and rows != copies else dim
-        total += size * aval.dtype.itemsize
-    return total
+        if same_program and large[i][0].shape == aval.shape:
+            weights += _bytes(aval, copies, rows, experts, ep)
+        else:
+            act += _bytes(aval, copies, rows, experts, 1)
+    return act, weights
 
 
-@functools.cache
-def activations(
-    config: DeepSeekV3Config, batch: int, seq: int, rows: int | None = None
-) -> Activations:
-    """Residual bytes of a training step's backward for `batch` sequences of `seq` tokens on
-    one device, under `config.remat`; `rows` is the expert-parallel receive buffer's rows
-    (None: the `batch * seq * k` copies themselves). Nothing is allocated."""
-    copies = batch * seq * config.num_experts_per_tok
-    rows = copies if rows is None else rows
+def _residuals(config: DeepSeekV3Config, batch: int, seq: int) -> dict[str, list]:
+    """JAX's saved residuals of the training loss (`"loss"`) under `config.remat` and, under
+    remat, of one dense block, MoE block and MTP module with nothing rematerialised."""
     weights = {
         name: jnp.float32(1.0)
-        for name in ("mtp_loss_weight", "balance_loss_coef", "seq_balance_loss_coef", "z_loss_coef")
+        for name in (
+            "mtp_loss_weight",
+            "balance_loss_coef",
+            "seq_balance_loss_coef",
+            "global_balance_loss_coef",
+            "z_loss_coef",
+        )
     }
     found: dict[str, list] = {}
 
@@ -105,9 +127,28 @@ def activations(
         return 0
 
     jax.eval_shape(lambda: trace(config))
-    saved = _bytes(found.pop("loss"), copies, rows)
-    recompute = 0
     if config.remat != "none":
         jax.eval_shape(lambda: trace_layers(config.replace(remat="none")))
-        recompute = 2 * max(_bytes(r, copies, rows) for r in found.values())
-    return Activations(saved=saved, recompute=recompute)
+    return found
+
+
+@functools.cache
+def activations(
+    config: DeepSeekV3Config, batch: int, seq: int, rows: int | None = None, ep: int = 1
+) -> Activations:
+    """Residual bytes of a training step's backward for `batch` sequences of `seq` tokens on
+    one device, under `config.remat`; `rows` is the expert-parallel receive buffer's rows
+    (None: the `batch * seq * k` copies themselves), `ep` the expert axis (a device holds
+    1/ep of the experts). Nothing is allocated. cuDNN's attention is traced as the blockwise
+    one: both keep the output and a float32 statistic per row for the backward."""
+    if config.attention_impl == "cudnn":
+        config = config.replace(attention_impl="blockwise")
+    copies = batch * seq * config.num_experts_per_tok
+    rows = copies if rows is None else rows
+    small, large = _residuals(config, batch, seq), _residuals(config, 2 * batch, seq)
+    sizes = (copies, rows, config.n_routed_experts, ep)
+    saved, weight_copies = _split(small.pop("loss"), large.pop("loss"), *sizes)
+    recompute = 0
+    if small:  # under remat: one layer's activations, twice (its forward and its backward)
+        recompute = 2 * max(_split(small[n], large[n], *sizes)[0] for n in small)
+    return Activations(saved=saved, recompute=recompute, weight_copies=weight_copies)

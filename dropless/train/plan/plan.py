@@ -13,7 +13,14 @@ backward keeps under the remat policy). FSDP: the sharded step (`sharding.
 sharded_value_and_grad`) gathers every fsdp-sharded parameter at the start of the step and
 reduce-scatters the gradients at its end (`fsdp_gather="step"`), so one device holds the whole
 unsharded local model and its gradient at the backward's end; `fsdp_gather="layer"` estimates a
-step that gathers inside the layer scan instead (two layers in flight; not implemented yet).
+step that gathers inside the layer scan instead (the arrays outside the layers whole, and two
+layers' weights and gradients in flight; never more than "step").
+
+Communication per device and step: FSDP's all-gathers (parameters, in their dtype) and
+reduce-scatters (gradients), the all-reduces of gradients over the axes a parameter is
+replicated on (ring: 2 (n-1)/n of its bytes sent), and the expert-parallel all-to-alls; their
+time at NVLink-class and InfiniBand-class bandwidth per GPU against the compute time at a
+stated MFU of a stated peak, so a mesh bound by its network shows.
 """
 
 import dataclasses
@@ -30,9 +37,17 @@ from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, count_para
 from dropless.train.config import MAX_BF16_BETA, TrainConfig
 from dropless.train.plan.activations import activations
 from dropless.train.step import optim
+from dropless.train.step.step import HPARAM_FIELDS
 
 EXCHANGES = ("ragged", "all_to_all")
 FSDP_GATHERS = ("step", "layer")
+# Bytes a second one GPU sends: NVLink 4 (H100, H200: 900 GB/s both ways together) and one
+# 400 Gb/s InfiniBand NDR adapter per GPU.
+LINKS = {"NVLink-class": 450e9, "InfiniBand-class": 50e9}
+PEAK_FLOPS = 989e12  # H100 / H200 SXM dense bf16
+MFU = 0.4
+# The arrays that a scan over layers (or MTP modules) holds stacked, leading axis first.
+_STACKS = ("dense_layers", "moe_layers", "mtp")
 
 
 def flops_per_token(config: DeepSeekV3Config, seq: int) -> float:
@@ -54,8 +69,9 @@ def flops_per_token(config: DeepSeekV3Config, seq: int) -> float:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """One device's share of a training step. Bytes are per device; dicts map dtype names to
-    bytes. `total` is the device's peak estimate: state (parameters, moments unless offloaded,
-    other state), gradients, FSDP's gathered copies, activations and EP buffers."""
+    bytes. `total` is the device's peak estimate: the state (parameters, moments unless
+    offloaded, other state), FSDP's gathered parameters, EP buffers and weight copies, plus the
+    larger of the backward's two ends (`backward`)."""
 
     mesh: dict[str, int]
     batch_size: int
@@ -66,15 +82,22 @@ class Plan:
     grads: dict[str, int]
     moments: dict[str, int]
     other_state: int  # optimiser counts and numbers, expert loads
-    fsdp_gathered: int  # unsharded parameter and gradient copies under fsdp
+    fsdp_gathered: int  # unsharded parameter copies under fsdp
+    fsdp_grads: int  # unsharded gradients beyond the device's shard, at the backward's end
     activations: int
     recompute: int  # part of `activations`: one layer recomputed under remat
     ep_buffers: int
+    weight_copies: int  # compute-dtype casts of the weights that the backward keeps
     offload_optimizer: bool
     param_count: int
     flops_per_step: float  # the whole batch's model FLOPs
     all_to_all_bytes: int  # sent by one device per step
     device_memory: int | None
+    all_gather_bytes: int = 0  # received by one device per step (FSDP)
+    reduce_scatter_bytes: int = 0  # sent by one device per step (FSDP)
+    all_reduce_bytes: int = 0  # sent by one device per step (replicated gradients)
+    mfu: float = MFU
+    peak_flops: float = PEAK_FLOPS
 
     @property
     def devices(self) -> int:
@@ -85,17 +108,45 @@ class Plan:
         return sum(self.moments.values()) if self.offload_optimizer else 0
 
     @property
+    def backward(self) -> int:
+        """The backward's peak beyond the state: at its start every saved activation and one
+        layer's recomputation live; as it runs down the layers, each layer's activations make
+        way for its gradients, so at its end every gradient (unsharded under step-wide FSDP)
+        and the last layer's recomputation (its forward's half) live."""
+        grads = sum(self.grads.values()) + self.fsdp_grads
+        return max(self.activations, grads + self.recompute // 2)
+
+    @property
     def total(self) -> int:
         moments = 0 if self.offload_optimizer else sum(self.moments.values())
         return (
             sum(self.params.values())
-            + sum(self.grads.values())
             + moments
             + self.other_state
             + self.fsdp_gathered
-            + self.activations
+            + self.backward
             + self.ep_buffers
+            + self.weight_copies
         )
+
+    @property
+    def comm_bytes(self) -> int:
+        """Bytes one device moves per step over all collectives."""
+        return (
+            self.all_gather_bytes
+            + self.reduce_scatter_bytes
+            + self.all_reduce_bytes
+            + self.all_to_all_bytes
+        )
+
+    @property
+    def compute_seconds(self) -> float:
+        """One device's FLOPs per step at `mfu` of `peak_flops`."""
+        return self.flops_per_device / (self.mfu * self.peak_flops)
+
+    def comm_seconds(self, bytes_per_second: float) -> float:
+        """The step's collectives at `bytes_per_second` per device, none overlapped."""
+        return self.comm_bytes / bytes_per_second
 
     @property
     def flops_per_device(self) -> float:
@@ -152,6 +203,19 @@ def _local(shape, spec, sizes: dict[str, int]) -> int:
     return n
 
 
+def train_config(
+    batch_size: int, seq_len: int, micro_batches: int = 1, moments_dtype: str = "float32"
+) -> TrainConfig:
+    """The `TrainConfig` a plan describes (bf16 moments with a bf16-safe second-moment beta)."""
+    return TrainConfig(
+        batch_size=batch_size,
+        seq_len=seq_len,
+        micro_batches=micro_batches,
+        moments_dtype=moments_dtype,
+        b2=min(0.95, MAX_BF16_BETA) if moments_dtype == "bfloat16" else 0.95,
+    )
+
+
 def plan(
     config: DeepSeekV3Config,
     mesh: str,
@@ -166,11 +230,14 @@ def plan(
     recv_factor: float | None = None,
     exchange: str = "ragged",
     fsdp_gather: str = "step",
+    mfu: float = MFU,
+    peak_flops: float = PEAK_FLOPS,
 ) -> Plan:
     """The plan of training `config` on `mesh` ('fsdp=16,expert=8'; '' for one device) with
     global batches of `batch_size` sequences of `seq_len` tokens in `micro_batches` passes.
     `remat` overrides `config.remat`; `recv_factor` and `exchange` size the `ep` dispatcher's
-    buffers as `dropless.backends.ep.buffer_rows` does (None: the worst case, its default)."""
+    buffers as `dropless.backends.ep.buffer_rows` does (None: the worst case, its default);
+    `mfu` and `peak_flops` (per device) give the compute time the network time is set against."""
     sizes = sharding.parse_mesh(mesh)
     full = {axis: sizes.get(axis, 1) for axis in sharding.MESH_AXES}
     if remat is not None:
@@ -179,13 +246,9 @@ def plan(
         _fail(f"exchange ({exchange!r}) must be one of {EXCHANGES}")
     if fsdp_gather not in FSDP_GATHERS:
         _fail(f"fsdp_gather ({fsdp_gather!r}) must be one of {FSDP_GATHERS}")
-    train = TrainConfig(
-        batch_size=batch_size,
-        seq_len=seq_len,
-        micro_batches=micro_batches,
-        moments_dtype=moments_dtype,
-        b2=min(0.95, MAX_BF16_BETA) if moments_dtype == "bfloat16" else 0.95,
-    )
+    if not 0 < mfu <= 1:
+        _fail(f"mfu ({mfu}) must be in (0, 1]")
+    train = train_config(batch_size, seq_len, micro_batches, moments_dtype)
     shards = math.prod(full.values())  # every mesh axis splits the batch
     if (batch_size // micro_batches) % shards:
         _fail(
@@ -210,11 +273,13 @@ def plan(
         )
         info = []
 
-        def note(a, spec, trainable):
+        def note(path, a, spec, trainable):
             if eqx.is_array(a):
-                info.append((a.shape, a.dtype, spec, trainable))
+                names = {getattr(k, "name", None) for k in path}
+                stacked = bool(names & set(_STACKS))
+                info.append((a.shape, a.dtype, spec, trainable, stacked))
 
-        jax.tree.map(note, model, specs, mask, is_leaf=lambda n: n is None)
+        jax.tree_util.tree_map_with_path(note, model, specs, mask, is_leaf=lambda n: n is None)
         opt = optim.optimizer_state(train, params)
         opt_specs = sharding.opt_state_specs(opt, params, eqx.filter(specs, mask, is_leaf=_is_spec))
         opt_info = [
@@ -230,7 +295,8 @@ def plan(
             raise
         _fail(f"mesh {mesh!r}: {err}")
     stored, unsharded, grads = [], [], []
-    for shape, dtype, spec, trainable in info:
+    whole, per_layer, all_reduce = 0, 0, 0
+    for shape, dtype, spec, trainable, stacked in info:
         size = jnp.dtype(dtype).itemsize
         local = _local(shape, spec, full)
         stored.append((dtype, local * size))
@@ -238,6 +304,15 @@ def plan(
             no_fsdp = _local(shape, [e if e != "fsdp" else None for e in spec], full)
             grads.append((dtype, local * size))
             unsharded.append((local, no_fsdp, size))
+            if stacked:  # one layer's slice
+                per_layer = max(per_layer, no_fsdp * size // shape[0])
+            else:
+                whole += no_fsdp * size
+            used = {
+                a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())
+            }
+            replicas = math.prod(n for a, n in full.items() if a not in used)
+            all_reduce += 2 * (replicas - 1) * local * size // replicas
     moments, other = [], 0
     for shape, dtype, spec in opt_info:
         size = jnp.dtype(dtype).itemsize
@@ -249,14 +324,15 @@ def plan(
         config.num_nextn_predict_layers if config.n_moe_layers else 0
     )
     other += moe_layers * config.n_routed_experts * 4  # TrainState.expert_load
+    other += 4 * len(HPARAM_FIELDS)  # TrainState.hparams, float32 scalars
 
-    gathered = 0
+    gathered = grads_extra = 0
     if full["fsdp"] > 1:
-        params_full = sum(n * b for _, n, b in unsharded)
+        gathered = sum(n * b for _, n, b in unsharded)
         grads_extra = sum((n - s) * b for s, n, b in unsharded)
-        gathered = params_full + grads_extra
         if fsdp_gather == "layer":  # two layers' weights and gradients in flight
-            gathered = 4 * params_full // max(config.num_hidden_layers, 1)
+            gathered = min(gathered, whole + 2 * per_layer)
+            grads_extra = min(grads_extra, whole + 2 * per_layer)
     grad_bytes = _by_dtype(grads)
     if micro_batches > 1:  # a float32 sum beside each micro-batch's gradient
         grad_bytes["float32"] = grad_bytes.get("float32", 0) + sum(s * 4 for s, _, _ in unsharded)
@@ -265,12 +341,16 @@ def plan(
     tokens = local_batch * seq_len
     copies = tokens * config.num_experts_per_tok
     rows = buffer_rows(copies, ep, recv_factor, exchange) if ep > 1 else copies
-    act = activations(config, local_batch, seq_len, rows if ep > 1 else None)
+    act = activations(config, local_batch, seq_len, rows if ep > 1 else None, ep)
     width = config.hidden_size * jnp.dtype(config.compute_jnp_dtype).itemsize
     ep_buffers = (copies + rows) * width if ep > 1 else 0
     exchanges = 4 if config.remat == "none" else 6  # dispatch + combine, fwd, bwd, recompute
     sent = (rows if exchange == "all_to_all" else copies) * width * (ep - 1) // ep
     all_to_all = exchanges * moe_layers * sent * micro_batches if ep > 1 else 0
+    # FSDP moves the parameters' other shards in and the gradients' out once per micro-batch,
+    # the gathers twice inside the layer scan under remat (forward and recomputation)
+    fsdp_moved = sum((n - s) * b for s, n, b in unsharded) * micro_batches
+    gathers = 2 if fsdp_gather == "layer" and config.remat != "none" else 1
 
     return Plan(
         mesh=full,
@@ -283,14 +363,21 @@ def plan(
         moments=_by_dtype(moments),
         other_state=other,
         fsdp_gathered=gathered,
+        fsdp_grads=grads_extra,
         activations=act.total,
         recompute=act.recompute,
         ep_buffers=ep_buffers,
+        weight_copies=act.weight_copies,
         offload_optimizer=offload_optimizer,
         param_count=sum(math.prod(shape) for shape, *_ in info),
         flops_per_step=flops_per_token(config, seq_len) * batch_size * seq_len,
         all_to_all_bytes=all_to_all,
         device_memory=device_memory,
+        all_gather_bytes=gathers * fsdp_moved,
+        reduce_scatter_bytes=fsdp_moved,
+        all_reduce_bytes=all_reduce * micro_batches,
+        mfu=mfu,
+        peak_flops=peak_flops,
     )
 
 
@@ -334,14 +421,29 @@ def format_plan(p: Plan) -> str:
         ("grads / device", _dtypes(p.grads)),
         (f"moments ({where})", _dtypes(p.moments)),
         ("other state", _gb(p.other_state)),
-        ("fsdp gathered", _gb(p.fsdp_gathered)),
+        ("fsdp gathered", f"{_gb(p.fsdp_gathered)} (gradients {_gb(p.fsdp_grads)})"),
         ("activations", f"{_gb(p.activations)} (recompute {_gb(p.recompute)})"),
+        ("backward peak", f"{_gb(p.backward)} (activations, or gradients at its end)"),
         ("ep buffers", _gb(p.ep_buffers)),
+        ("weight copies", _gb(p.weight_copies)),
         ("total / device", _gb(p.total)),
         ("host / device", _gb(p.host)),
         ("FLOPs / step", f"{p.flops_per_step:.3e} ({p.flops_per_device:.3e} / device)"),
+        ("all-gather / device", f"{_gb(p.all_gather_bytes)} / step"),
+        ("reduce-scatter / device", f"{_gb(p.reduce_scatter_bytes)} / step"),
+        ("all-reduce / device", f"{_gb(p.all_reduce_bytes)} / step"),
         ("all-to-all / device", f"{_gb(p.all_to_all_bytes)} / step"),
+        (
+            "compute / step",
+            f"{p.compute_seconds:.3g} s at {p.mfu:.0%} MFU of {p.peak_flops / 1e12:.0f} TFLOP/s",
+        ),
     ]
+    for link, speed in LINKS.items():
+        seconds = p.comm_seconds(speed)
+        bound = "network-bound" if seconds > p.compute_seconds else "compute-bound"
+        rows.append(
+            (f"network / step ({link})", f"{seconds:.3g} s at {speed / 1e9:.0f} GB/s: {bound}")
+        )
     if p.device_memory is not None:
         verdict = "yes" if p.fits else "NO"
         rows.append(("fits", f"{verdict}: {_gb(p.total)} of {_gb(p.device_memory)}"))

@@ -1,5 +1,12 @@
-"""`dropless.train.plan.plan`: the plan against XLA's own memory analysis of the compiled train
-step, and its parts (parameter counts, sharding, offload, FLOPs, the table and the command)."""
+"""`dropless.train.plan`: the plan against XLA's own memory analysis of the compiled train step,
+and its parts (parameter counts, sharding, offload, FLOPs, communication, the table and the
+command, `--compile` for GPUs)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -10,7 +17,8 @@ from dropless.cli.plan import main
 from dropless.experts import GroupedExperts
 from dropless.models.deepseek_v3 import DeepSeekV3, count_params, get_preset
 from dropless.train import TrainConfig, init_state, train_step
-from dropless.train.plan.plan import flops_per_token, format_plan, parse_bytes, plan
+from dropless.train.plan.compile import compiled_memory, cuda_plugin_version
+from dropless.train.plan.plan import flops_per_token, format_plan, parse_bytes, plan, train_config
 
 BATCH, SEQ = 16, 64  # TrainConfig's defaults: activations several times the state in tiny
 
@@ -34,6 +42,71 @@ def test_plan_matches_xla_memory_analysis(remat):
     ratio = plan(config, "", BATCH, SEQ).total / xla
     print(f"remat={remat}: plan / XLA = {ratio:.3f} (XLA {xla} bytes)")
     assert 0.85 <= ratio <= 1.15, ratio
+
+
+@pytest.mark.slow
+@pytest.mark.mesh8
+@pytest.mark.parametrize("layers", [2, 4, 8])
+@pytest.mark.parametrize("mesh", ["fsdp=8", "fsdp=4,expert=2", "data=2,fsdp=2,expert=2"])
+def test_plan_within_10_percent_of_the_compiled_sharded_step(mesh, layers):
+    """The plan's device total within 10% of XLA's buffer assignment for the train step that
+    `dropless train` runs on the mesh (8 emulated CPU devices, remat full), whatever that step
+    is: `compiled_memory` compiles the current one."""
+    config = get_preset("tiny", remat="full", num_hidden_layers=layers)
+    xla = compiled_memory(config, train_config(BATCH, SEQ), mesh)
+    p = plan(config, mesh, BATCH, SEQ)
+    # the arguments are the sharded state and this device's tokens, to the byte
+    tokens = BATCH // 8 * (SEQ + 1) * 4
+    state = sum(p.params.values()) + sum(p.moments.values()) + p.other_state
+    assert xla.arguments == state + tokens
+    ratio = p.total / xla.total
+    print(f"{mesh}, {layers} layers: plan / XLA = {ratio:.3f} (XLA {xla.total} bytes)")
+    assert 0.9 <= ratio <= 1.1, ratio
+
+
+_COMPILE_FOR_GPUS = """
+import json
+from dropless.models.deepseek_v3 import get_preset
+from dropless.train.plan.plan import plan, train_config
+from dropless.train.plan.compile import GPU_COMPILER_OPTIONS, compiled_memory, gpu_devices
+config = get_preset("tiny", remat="full")
+m = compiled_memory(config, train_config(16, 64), "fsdp=8", gpu_devices("H200", 8),
+                    GPU_COMPILER_OPTIONS)
+p = plan(config, "fsdp=8", 16, 64)
+state = sum(p.params.values()) + sum(p.moments.values()) + p.other_state
+print(json.dumps(dict(kind=m.device_kind, arguments=m.arguments, total=m.total, state=state,
+                      plan=p.total)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    cuda_plugin_version() != jax.__version__, reason="needs the CUDA PJRT plugin at jax's version"
+)
+def test_compiles_for_8_gpus_without_one():
+    """tiny's sharded step compiled for 8 H200s on this machine (JAX on its CPU platform, in a
+    subprocess: the plugin must not start a GPU backend): XLA's arguments are the plan's
+    sharded state and tokens to the byte, its total within 15% of the plan's."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_GPUS], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "H200" in got["kind"]
+    assert got["arguments"] == got["state"] + 16 // 8 * 65 * 4
+    assert 0.85 <= got["plan"] / got["total"] <= 1.15, got
+
+
+def test_compile_without_the_plugin_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr("dropless.train.plan.compile.cuda_plugin_version", lambda: None)
+    args = ["--preset", "tiny", "--batch-size", "16", "--seq-len", "64", "--mesh", "fsdp=8"]
+    assert main([*args, "--compile", "H200"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dropless plan: error: --compile needs JAX's CUDA PJRT plugin")
+    assert err.count("\n") == 1 and f"jax-cuda12-pjrt=={jax.__version__}" in err
+    assert main([*args, "--compile", "B200"]) == 2
+    assert "--compile" in capsys.readouterr().err
 
 
 def test_parameter_count_and_bytes():
@@ -119,7 +192,7 @@ def test_format_has_every_row(capsys):
         "fits",
     ):
         assert row in text, row
-    assert "fits                 yes" in text
+    assert re.search(r"^fits +yes", text, re.M)
 
 
 def test_parse_bytes():
@@ -139,3 +212,69 @@ def test_command(capsys):
     assert err.startswith("dropless plan:") and err.count("\n") == 1
     assert main([*args, "--device-memory", "many"]) == 2
     assert main([*args, "--set", "model.remat=sideways"]) == 2
+
+
+def test_communication_per_device_by_hand():
+    """fsdp=2: every fsdp-sharded array moves its other half in (gather) and its gradient's
+    out (reduce-scatter); the small replicated ones all-reduce their gradient (ring, 2 (n-1)/n
+    of it). data=2: no gathers, every gradient all-reduced."""
+    config = get_preset("tiny")
+    trained = count_params(config).total_with_mtp - count_params(config).expert_bias
+    model = eqx.filter_eval_shape(lambda: DeepSeekV3(config, key=jax.random.key(0)))
+    big = sum(a.size for a in jax.tree.leaves(model) if a.size >= 2**16)
+    fsdp = plan(config, "fsdp=2", BATCH, SEQ)
+    assert fsdp.all_gather_bytes == fsdp.reduce_scatter_bytes == 4 * big // 2
+    assert fsdp.all_reduce_bytes == 4 * (trained - big)
+    assert fsdp.all_to_all_bytes == 0
+    data = plan(config, "data=2", BATCH, SEQ, micro_batches=2)
+    assert data.all_gather_bytes == data.reduce_scatter_bytes == 0
+    assert data.all_reduce_bytes == 2 * 4 * trained  # once per micro-batch
+    layer = plan(config, "fsdp=2", BATCH, SEQ, remat="full", fsdp_gather="layer")
+    assert layer.all_gather_bytes == 2 * fsdp.all_gather_bytes  # forward and recomputation
+
+
+def test_network_time_against_compute_time():
+    config = get_preset("tiny")
+    p = plan(config, "fsdp=2,expert=4", 64, SEQ, mfu=0.5, peak_flops=1e15)
+    assert p.compute_seconds == pytest.approx(p.flops_per_device / 5e14)
+    assert p.comm_seconds(1e9) == pytest.approx(p.comm_bytes / 1e9)
+    text = format_plan(p)
+    for row in ("all-gather / device", "reduce-scatter / device", "all-reduce / device"):
+        assert row in text
+    # tiny moves more bytes than it computes: network-bound over either link
+    assert "(InfiniBand-class)" in text and "network-bound" in text
+    assert "50% MFU of 1000 TFLOP/s" in text
+    with pytest.raises(ValueError, match="mfu"):
+        plan(config, "", BATCH, SEQ, mfu=0.0)
+
+
+def test_weight_copies_are_not_activations():
+    """bf16 compute, remat none: the backward keeps bf16 casts of the weights. They do not
+    grow with the batch, and under expert=4 a device keeps its quarter of the experts'."""
+    config = get_preset("tiny", compute_dtype="bfloat16")
+    one, twice = plan(config, "", BATCH, SEQ), plan(config, "", 2 * BATCH, SEQ)
+    assert one.weight_copies > 0 and twice.weight_copies == one.weight_copies
+    assert twice.activations > 1.9 * one.activations
+    ep = plan(config, "expert=4", 4 * BATCH, SEQ)  # the same 16 sequences per device
+    assert 0 < ep.weight_copies < one.weight_copies
+
+
+def test_layer_gathers_never_exceed_step_gathers():
+    for layers in (2, 8):
+        config = get_preset("tiny", num_hidden_layers=layers)
+        step = plan(config, "fsdp=8", BATCH, SEQ)
+        layer = plan(config, "fsdp=8", BATCH, SEQ, fsdp_gather="layer")
+        assert layer.fsdp_gathered <= step.fsdp_gathered and layer.total <= step.total
+    assert layer.fsdp_gathered < step.fsdp_gathered  # 8 layers: two in flight, not all
+
+
+def test_plan_counts_the_gpu_attention_path():
+    """cuDNN's attention keeps what the blockwise one keeps (output and a statistic per row),
+    far below the einsum attention's float32 probabilities at a long sequence."""
+    config = get_preset("tiny", remat="none")
+    xla = plan(config, "", 2, 512)
+    cudnn = plan(config.replace(attention_impl="cudnn"), "", 2, 512)
+    blockwise = plan(config.replace(attention_impl="blockwise"), "", 2, 512)
+    assert cudnn.activations == blockwise.activations
+    heads = config.num_attention_heads
+    assert xla.activations - cudnn.activations > config.num_hidden_layers * 2 * heads * 512**2 * 4
