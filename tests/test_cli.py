@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import re
 import textwrap
 
@@ -18,9 +19,11 @@ import yaml
 import dropless
 from dropless import cli
 from dropless.cli.parsing import defaults
+from dropless.data import ByteTokenizer, default_corpus_dir
 from dropless.models.deepseek_v3 import PRESETS, DeepSeekV3Config, get_preset
 from dropless.train.checkpoint import Checkpointer
 from dropless.train.config import TrainConfig
+from dropless.train.run_dir import load_run
 
 SMALL_RUN = [
     "--steps", "6", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "2",
@@ -84,7 +87,7 @@ def test_train_end_to_end(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_default_trains_on_stdlib_text_and_prints_a_sample(tmp_path, capsys):
+def test_default_trains_on_stdlib_text_and_prints_a_sample(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     args = [
         "train", "--steps", "2", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "1",
@@ -108,6 +111,24 @@ def test_default_trains_on_stdlib_text_and_prints_a_sample(tmp_path, capsys):
     command = cli.parse(["train", "--config", str(out / "config.yaml")])
     assert command.configs()[0].vocab_size == 258
     assert cli.vocab_given(command, ["--config", str(out / "config.yaml")])
+
+    # the README's next steps, from another working directory: the run knows its tokenizer
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run = load_run(out)
+    assert isinstance(run.tokenizer, ByteTokenizer)
+    assert run.tokenizer_source == str(default_corpus_dir(progress=False) / "tokenizer.json")
+    assert cli.main(["generate", str(out), "--prompt", "def main(", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("def main(")
+    assert cli.main(["eval", str(out), "--batches", "1"]) == 0
+    table = capsys.readouterr().out
+    result = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert re.search(rf"bits per byte +{result['bits_per_byte']:.4f}\n", table)
+    # byte-level: one byte per target below 256 (special ids carry no text)
+    assert 0 < result["bytes"] <= result["tokens"]
+    nats = result["ce"] * result["tokens"]
+    assert result["bits_per_byte"] == pytest.approx(nats / math.log(2) / result["bytes"])
 
 
 def test_the_vocabulary_comes_from_the_data_unless_given(tmp_path, capsys):
