@@ -409,10 +409,15 @@ def test_presets_lists_sizes(capsys):
     MTP module where a preset has none."""
     assert cli.main(["presets"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["preset", "total", "active", "mtp"]
-    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    assert lines[0].split() == [
+        "preset", "total", "active", "mtp", "layers", "experts", "top-k", "width", "ffn"
+    ]  # fmt: skip
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:-1]}
     assert set(rows) == set(PRESETS)
-    assert rows["deepseek-v3-671b"][:2] == ["671.0B", "37.6B"]
+    # DeepSeek-V3: 61 layers (3 dense), 256 routed + 1 shared experts, top-8, width 7168
+    assert rows["deepseek-v3-671b"] == [
+        "671.0B", "37.6B", "11.6B", "61", "(3", "dense)", "256+1", "8", "7168", "18432/2048"
+    ]  # fmt: skip
     assert rows["deepseek-v2-lite"][2] == "-"  # num_nextn_predict_layers = 0
     assert rows["tiny"][0].endswith("M")
 

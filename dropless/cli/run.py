@@ -23,17 +23,41 @@ SAMPLE_TEMPERATURE = 0.8
 
 
 def list_presets() -> None:
-    """Prints every model preset with its total, active and MTP parameter counts."""
+    """Prints every model preset's parameter counts (total, active per token, MTP) and shape:
+    layers (dense first), routed experts (+ shared) and top-k, the model, dense and expert
+    widths."""
 
     def human(n: int) -> str:
         if n == 0:
             return "-"
         return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
-    print(f"{'preset':<18} {'total':>8} {'active':>8} {'mtp':>8}")
+    header = ("preset", "total", "active", "mtp", "layers", "experts", "top-k", "width", "ffn")
+    rows = [header]
     for name in PRESETS:
-        count = count_params(get_preset(name))
-        print(f"{name:<18} {human(count.total):>8} {human(count.active):>8} {human(count.mtp):>8}")
+        c = get_preset(name)
+        count = count_params(c)
+        rows.append(
+            (
+                name,
+                human(count.total),
+                human(count.active),
+                human(count.mtp),
+                f"{c.num_hidden_layers} ({c.first_k_dense_replace} dense)",
+                f"{c.n_routed_experts}+{c.n_shared_experts}",
+                str(c.num_experts_per_tok),
+                str(c.hidden_size),
+                f"{c.intermediate_size}/{c.moe_intermediate_size}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        cells = [
+            row[0].ljust(widths[0]),
+            *(v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)),
+        ]
+        print("  ".join(cells))
+    print("experts: routed+shared per MoE layer; width: hidden size; ffn: dense/expert widths")
 
 
 def _describe(results, elapsed: float) -> str:

@@ -1,12 +1,14 @@
 """`dropless.train.plan`: the plan against XLA's own memory analysis of the compiled train step,
 and its parts (parameter counts, sharding, offload, FLOPs, the table and the command)."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
 
-from dropless.cli.plan import main
+from dropless import cli
 from dropless.experts import GroupedExperts
 from dropless.models.deepseek_v3 import DeepSeekV3, count_params, get_preset
 from dropless.train import TrainConfig, init_state, train_step
@@ -130,10 +132,22 @@ def test_parse_bytes():
         parse_bytes("lots")
 
 
+def main(argv: list[str]) -> int:
+    return cli.main(["plan", *argv])
+
+
 def test_command(capsys):
     args = ["--preset", "tiny", "--batch-size", str(BATCH), "--seq-len", str(SEQ)]
     assert main([*args, "--device-memory", "1GB"]) == 0
-    assert "total / device" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "total / device" in out and re.search(r"fits +yes: ", out) and "assumed" not in out
+    assert main([*args, "--device-memory", "1000"]) == 0
+    assert re.search(r"fits +NO: ", capsys.readouterr().out)
+    # without --device-memory, the verdict is against an H200's, and says so
+    assert main(args) == 0
+    assert "of 141.00 GB (an H200's, assumed; --device-memory sets another)" in (
+        capsys.readouterr().out
+    )
     assert main([*args, "--mesh", "data=3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dropless plan:") and err.count("\n") == 1
