@@ -129,6 +129,14 @@ def test_default_trains_on_stdlib_text_and_prints_a_sample(tmp_path, capsys, mon
     assert 0 < result["bytes"] <= result["tokens"]
     nats = result["ce"] * result["tokens"]
     assert result["bits_per_byte"] == pytest.approx(nats / math.log(2) / result["bytes"])
+    # the end of the run led with the same numbers, for the same eval batch
+    summary_line = re.search(
+        r"cross-entropy ([\d.]+), perplexity ([\d.]+), bits per byte ([\d.]+)", printed
+    )
+    assert float(summary_line[1]) == pytest.approx(result["ce"], abs=1e-4)
+    assert float(summary_line[2]) == pytest.approx(result["perplexity"], abs=1e-2)
+    assert float(summary_line[3]) == pytest.approx(result["bits_per_byte"], abs=1e-4)
+    assert "docs/use-a-trained-model.md" in printed
 
 
 def test_the_vocabulary_comes_from_the_data_unless_given(tmp_path, capsys):

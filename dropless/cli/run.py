@@ -1,19 +1,24 @@
 """Running a parsed command: `dropless presets`' table, and `dropless train`'s header, run
 and summary of where the results went."""
 
+import math
 import os
 import signal
 import sys
 import time
 
+import numpy as np
+
 from dropless.backends import resolve_backend_name
 from dropless.cli.options import TrainCommand
 from dropless.models.deepseek_v3 import PRESETS, count_params, get_preset
+from dropless.train import setup
 from dropless.train.checkpoint import CheckpointError
 from dropless.train.compile_cache import enable_compile_cache
 from dropless.train.data_source import DataSource, fit_vocab, open_data
 from dropless.train.loop import TrainingDiverged, TrainingPreempted, train
 from dropless.train.metrics import EvalLines, ProgressBar
+from dropless.train.run_eval import count_bytes
 from dropless.train.run_lock import RunDirectoryLocked
 from dropless.train.sample import eval_prompt, sample
 
@@ -60,14 +65,19 @@ def list_presets() -> None:
     print("experts: routed+shared per MoE layer; width: hidden size; ffn: dense/expert widths")
 
 
-def _describe(results, elapsed: float) -> str:
+def _describe(results, elapsed: float, bits_per_byte: float | None = None) -> str:
     files = results.files
     lines = [f"Done in {elapsed:.0f} s. Results in {results.out_dir}:"]
     final = results.final_eval
     if final is not None:
+        bpb = "" if bits_per_byte is None else f", bits per byte {bits_per_byte:.4f}"
         lines.append(
-            f"  eval loss {final['loss']:.4f} (cross-entropy {final['ce']:.4f}, "
-            f"MaxVio {final['max_vio']:.3f}) at step {final['step']}"
+            f"  eval (step {final['step']})  cross-entropy {final['ce']:.4f}, perplexity "
+            f"{math.exp(final['ce']):.2f}{bpb}"
+        )
+        lines.append(
+            f"               total loss {final['loss']:.4f} (with the MTP and balance terms), "
+            f"MaxVio {final['max_vio']:.3f}"
         )
     rate = results.throughput
     if rate["tokens_per_s"] is not None:
@@ -83,7 +93,27 @@ def _describe(results, elapsed: float) -> str:
         if key in files:
             lines.append(f"  {label:<12} {files[key]}")
     lines.append(f"  summary      {files['summary']}")
+    lines.append(
+        f"Next: dropless eval {results.out_dir}, dropless generate {results.out_dir} --prompt "
+        "TEXT, or load_run in Python (docs/use-a-trained-model.md)."
+    )
     return "\n".join(lines)
+
+
+def final_bits_per_byte(results, data: DataSource, train_config) -> float | None:
+    """Bits per byte of the run's last evaluation: its cross-entropy over the UTF-8 bytes of
+    the very targets it scored (None without a tokenizer or an evaluation)."""
+    final = results.final_eval
+    if final is None or data.tokenizer is None:
+        return None
+    targets = np.concatenate(
+        [
+            setup.batch(data.eval, i, train_config, "eval").tokens[:, 1:]
+            for i in range(train_config.eval_batches)
+        ]
+    )
+    n_bytes = count_bytes(data.tokenizer, targets)
+    return final["ce"] * targets.size / math.log(2) / n_bytes if n_bytes else None
 
 
 def run_name(command: TrainCommand, resume: bool) -> str:
@@ -185,7 +215,9 @@ def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
             file=sys.stderr,
         )
         return 128 + signal.SIGTERM
-    print(_describe(results, time.perf_counter() - began), flush=True)
+    elapsed = time.perf_counter() - began
+    bits_per_byte = final_bits_per_byte(results, data, train_config)
+    print(_describe(results, elapsed, bits_per_byte), flush=True)
     # a mesh run's model routes through its expert-parallel layers, which decode only inside
     # the mesh's shard_map: no sample there
     if command.sample and not train_config.mesh:
