@@ -23,6 +23,7 @@ from dropless.data import ByteTokenizer, default_corpus_dir
 from dropless.models.deepseek_v3 import PRESETS, DeepSeekV3Config, get_preset
 from dropless.train.checkpoint import Checkpointer
 from dropless.train.config import TrainConfig
+from dropless.train.optim import learning_rate
 from dropless.train.run_dir import load_run
 
 SMALL_RUN = [
@@ -172,7 +173,17 @@ def test_resume_continues_the_run_with_its_own_config(tmp_path, capsys):
     assert (train_config.steps, train_config.batch_size, train_config.resume) == (4, 8, True)
     assert command.backend == "jnp"
     assert cli.main([*resumed, "--no-compile-cache"]) == 0
-    assert "resuming 'small-run'" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "resuming 'small-run'" in printed.out
+    # more steps refit the cosine schedule, and a note says what that does to the next step
+    before, after = (
+        float(learning_rate(dataclasses.replace(train_config, steps=n), 3)) for n in (3, 4)
+    )
+    assert after > before
+    assert (
+        f"dropless: note: steps 3 -> 4: the learning-rate schedule now ends at step 4, so step 4 "
+        f"trains at lr {after:.3g} (the run's schedule: {before:.3g})"
+    ) in printed.err
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s for s in steps if s > 3] == [4, 4]  # the fourth step and its final evaluation
     # resuming through --set reads it too; without resuming the directory's config is not read
