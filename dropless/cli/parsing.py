@@ -113,11 +113,10 @@ def parse(args: Sequence[str], _saved: dict | None = None) -> TrainCommand | Pre
     """The command that `args` (without the program name) describe; exits on --help and, through
     tyro, on malformed options; ValueError/FileNotFoundError report bad presets or config
     files."""
-    if not args or args[0] != "train":
-        name = args[0] if args else "presets"
-        if name != "presets":
-            raise ValueError(f"unknown command {name!r}")
+    if args[:1] == ["presets"]:
         return parse_command(PresetsCommand, args[1:], prog="dropless presets")
+    if args[:1] != ["train"]:
+        raise ValueError(f"parse reads `train ...` or `presets`, got {' '.join(args)!r}")
     base = defaults(args[1:], _saved)
     help_text = None
     if any(arg in HELP_FLAGS for arg in args[1:]):
