@@ -10,12 +10,19 @@ import os
 # train step in 3.4 s instead of 7.3 s (both off) or 11.0 s (both on); subprocesses, the CLI's
 # and the experiments', inherit the flags. A GPU machine keeps them, so that the `gpu` tests
 # run the kernels that training runs.
+# jaxlib 0.12 has only the fusion emitters (its XLA aborts on the flag); read from the package
+# metadata, since XLA reads the flags when jax is first imported.
+from importlib.metadata import version  # noqa: E402
+
+_EMITTERS_FLAG = tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (0, 11)
 _FLAGS = "--xla_force_host_platform_device_count=8"
 if not os.path.exists("/dev/nvidia0"):
-    _FLAGS += " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    _FLAGS += " --xla_backend_optimization_level=0"
+    if _EMITTERS_FLAG:
+        _FLAGS += " --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("XLA_FLAGS", _FLAGS)
 # What the `default_xla_jit` fixture gives back to one compilation.
-_XLA_DEFAULTS = {"xla_cpu_use_fusion_emitters": True}
+_XLA_DEFAULTS = {"xla_cpu_use_fusion_emitters": True} if _EMITTERS_FLAG else {}
 
 import contextlib  # noqa: E402
 import gc  # noqa: E402

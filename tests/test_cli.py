@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import re
 import textwrap
 
@@ -18,10 +19,13 @@ import yaml
 import dropless
 from dropless import cli
 from dropless.cli.parsing import defaults
+from dropless.data import ByteTokenizer, default_corpus_dir
 from dropless.models import PRESETS as ALL_PRESETS
 from dropless.models.deepseek_v3 import DeepSeekV3Config, get_preset
 from dropless.train.config import TrainConfig
+from dropless.train.step.optim import learning_rate
 from dropless.train.store.checkpoint import Checkpointer
+from dropless.train.store.run_dir import load_run
 
 SMALL_RUN = [
     "--steps", "6", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "2",
@@ -85,7 +89,7 @@ def test_train_end_to_end(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_default_trains_on_stdlib_text_and_prints_a_sample(tmp_path, capsys):
+def test_default_trains_on_stdlib_text_and_prints_a_sample(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     args = [
         "train", "--steps", "2", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "1",
@@ -109,6 +113,32 @@ def test_default_trains_on_stdlib_text_and_prints_a_sample(tmp_path, capsys):
     command = cli.parse(["train", "--config", str(out / "config.yaml")])
     assert command.configs()[0].vocab_size == 258
     assert cli.vocab_given(command, ["--config", str(out / "config.yaml")])
+
+    # the README's next steps, from another working directory: the run knows its tokenizer
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run = load_run(out)
+    assert isinstance(run.tokenizer, ByteTokenizer)
+    assert run.tokenizer_source == str(default_corpus_dir(progress=False) / "tokenizer.json")
+    assert cli.main(["generate", str(out), "--prompt", "def main(", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("def main(")
+    assert cli.main(["eval", str(out), "--batches", "1"]) == 0
+    table = capsys.readouterr().out
+    result = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert re.search(rf"bits per byte +{result['bits_per_byte']:.4f}\n", table)
+    # byte-level: one byte per target below 256 (special ids carry no text)
+    assert 0 < result["bytes"] <= result["tokens"]
+    nats = result["ce"] * result["tokens"]
+    assert result["bits_per_byte"] == pytest.approx(nats / math.log(2) / result["bytes"])
+    # the end of the run led with the same numbers, for the same eval batch
+    summary_line = re.search(
+        r"cross-entropy ([\d.]+), perplexity ([\d.]+), bits per byte ([\d.]+)", printed
+    )
+    assert float(summary_line[1]) == pytest.approx(result["ce"], abs=1e-4)
+    assert float(summary_line[2]) == pytest.approx(result["perplexity"], abs=1e-2)
+    assert float(summary_line[3]) == pytest.approx(result["bits_per_byte"], abs=1e-4)
+    assert "docs/use-a-trained-model.md" in printed
 
 
 def test_the_vocabulary_comes_from_the_data_unless_given(tmp_path, capsys):
@@ -144,7 +174,17 @@ def test_resume_continues_the_run_with_its_own_config(tmp_path, capsys):
     assert (train_config.steps, train_config.batch_size, train_config.resume) == (4, 8, True)
     assert command.backend == "jnp"
     assert cli.main([*resumed, "--no-compile-cache"]) == 0
-    assert "resuming 'small-run'" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "resuming 'small-run'" in printed.out
+    # more steps refit the cosine schedule, and a note says what that does to the next step
+    before, after = (
+        float(learning_rate(dataclasses.replace(train_config, steps=n), 3)) for n in (3, 4)
+    )
+    assert after > before
+    assert (
+        f"dropless: note: steps 3 -> 4: the learning-rate schedule now ends at step 4, so step 4 "
+        f"trains at lr {after:.3g} (the run's schedule: {before:.3g})"
+    ) in printed.err
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s for s in steps if s > 3] == [4, 4]  # the fourth step and its final evaluation
     # resuming through --set reads it too; without resuming the directory's config is not read
@@ -430,10 +470,16 @@ def test_presets_lists_sizes(capsys):
     active, the other families' published sizes, and no MTP module where a preset has none."""
     assert cli.main(["presets"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["preset", "family", "total", "active", "mtp"]
-    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    assert lines[0].split() == [
+        "preset", "family", "total", "active", "mtp", "layers", "experts", "top-k", "width", "ffn"
+    ]  # fmt: skip
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:-1]}
     assert set(rows) == set(ALL_PRESETS)
-    assert rows["deepseek-v3-671b"][:3] == ["deepseek_v3", "671.0B", "37.6B"]
+    # DeepSeek-V3: 61 layers (3 dense), 256 routed + 1 shared experts, top-8, width 7168
+    assert rows["deepseek-v3-671b"] == [
+        "deepseek_v3", "671.0B", "37.6B", "11.6B", "61", "(3", "dense)", "256+1", "8", "7168",
+        "18432/2048",
+    ]  # fmt: skip
     assert rows["deepseek-v2-lite"][3] == "-"  # num_nextn_predict_layers = 0
     assert rows["tiny"][1].endswith("M")
     assert rows["qwen3-30b-a3b"][:3] == ["qwen3_moe", "30.5B", "3.4B"]

@@ -2,8 +2,8 @@
 
 On a Hopper GPU `implementation="mosaic"` runs tokamax's Mosaic GPU kernels (forward, and a
 custom VJP for both gradients); `"xla"` is its pure-XLA path, which runs anywhere and is what the
-CPU tests check against the `RaggedDot` oracle. tokamax is optional, and its typeguard pin keeps
-it out of an environment that runs the dropless command (docs/backends.md).
+CPU tests check against the oracle. tokamax is an optional extra, `.[tokamax]` (0.0.15 or newer,
+Python 3.12 or newer; docs/backends.md).
 """
 
 import functools
@@ -33,8 +33,8 @@ def load_tokamax():
     except Exception as err:  # an ImportError, or typeguard 4 failing on tokamax's annotations
         raise BackendUnavailableError(
             f"the 'tokamax' backend needs the tokamax package ({type(err).__name__}: {err}); "
-            "install it with `pip install --no-deps tokamax==0.0.12 einshape qwix immutabledict "
-            "typeguard==2.13.3` where the dropless command is not used (docs/backends.md)"
+            "install it with `pip install -e '.[tokamax]'` (Python 3.12 or newer; "
+            "docs/backends.md)"
         ) from err
     # tokamax reads its options from absl flags, parsing sys.argv on first use, which fails on
     # any command line it does not own (pytest's, the dropless command's): its defaults stand.

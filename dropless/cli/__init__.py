@@ -15,9 +15,11 @@
 
 Precedence, lowest first: the preset, a YAML `--config` (sections `preset`, `backend`, `model`,
 `train`: the `config.yaml` every run writes; `--resume` reads the run's own), the flags, `--set`.
-Modules: `options` (what tyro parses), `config_file` (YAML and `--set`), `help` (`--help`,
-`--help-all`), `parsing`, `run`; `commands` dispatches the other subcommands (`plan`, `evaluate`,
-`generate`, and `dropless.data.cli` for prepare) and writes `dropless --help`.
+Every command is an options dataclass (`options.TrainCommand`, `plan.PlanCommand`, ...) parsed
+by tyro through one helper (`parsing.parse_command`), its help written from the fields' docs
+(`help`). Modules: `options`, `config_file` (YAML and `--set`), `help`, `parsing`, `run`;
+`commands` dispatches the other subcommands (`presets`, `plan`, `evaluate`, `generate`, and
+`dropless.data.cli` for prepare) and writes `dropless --help`.
 """
 
 import sys
@@ -26,12 +28,12 @@ from collections.abc import Sequence
 
 from dropless._allocator import keep_freed_memory
 from dropless.backends import BackendUnavailableError
-from dropless.cli.commands import TYRO_COMMANDS, run_command
+from dropless.cli.commands import TRAIN, run_command
 from dropless.cli.config_file import apply_overrides, load_yaml_config
 from dropless.cli.launch import run_local
 from dropless.cli.options import MODEL_HELP, ModelOptions, PresetsCommand, TrainCommand
 from dropless.cli.parsing import parse, vocab_given
-from dropless.cli.run import list_presets, run_name, run_train
+from dropless.cli.run import run_name, run_train
 from dropless.train.loop.distributed import initialize_from_env
 
 __all__ = [
@@ -54,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # CPU training reuses its freed buffers instead of page-faulting them in afresh at every
     # step (the tiny preset's 200 steps: 21-24 s -> 18-21 s); no effect if JAX already runs
     keep_freed_memory(warn=False)
-    if not args or args[0] not in TYRO_COMMANDS:
+    if not args or args[0] != TRAIN[0]:
         return run_command(args)
     with warnings.catch_warnings():
         warnings.showwarning = _note  # one line, no source line
@@ -69,9 +71,6 @@ def _main(args: list[str]) -> int:
     try:
         initialize_from_env()  # a process of a multi-process job joins it before JAX starts
         command = parse(args)
-        if isinstance(command, PresetsCommand):
-            list_presets()
-            return 0
         if command.local_processes != 1:
             return run_local(command, args[1:])
         return run_train(command, vocab_given=vocab_given(command, args))

@@ -1,65 +1,63 @@
-"""The subcommands of `dropless` that argparse parses (prepare, plan, eval, generate), the
+"""The subcommands of `dropless` besides `train` (presets, prepare, plan, eval, generate), the
 command's own `--help`, and the one-line errors every subcommand reports.
 
-`train` and `presets` are parsed by tyro (dropless.cli.parsing); everything else starts here."""
+Each subcommand is an options dataclass whose field docstrings are its help, parsed by
+`dropless.cli.parsing.parse_command` as `train` is."""
 
-import argparse
 import sys
 from collections.abc import Callable, Sequence
 
 from dropless.backends import BackendUnavailableError
 from dropless.cli import evaluate, generate, plan, verify
+from dropless.cli.options import PresetsCommand
+from dropless.cli.parsing import parse_command
+from dropless.cli.run import list_presets
 from dropless.data import cli as prepare
 from dropless.train.store.checkpoint import CheckpointError
 
-# name -> (one-line description, add the options to a parser, run the parsed options)
-Command = tuple[str, Callable[[argparse.ArgumentParser], object], Callable[..., int]]
-COMMANDS: dict[str, Command] = {
+TRAIN = ("train", "train a model (--help: common options; --help-all: all of them)")
+
+
+def _presets(_: PresetsCommand) -> int:
+    list_presets()
+    return 0
+
+
+# name -> (one-line description, options dataclass, run the parsed options)
+COMMANDS: dict[str, tuple[str, type, Callable[..., int]]] = {
+    "presets": ("the model presets: sizes and shapes", PresetsCommand, _presets),
     "prepare": (
         "tokenize text files into a data directory for train --data",
-        prepare.build_parser,
+        prepare.PrepareCommand,
         prepare.run,
     ),
     "plan": (
         "per-device memory, FLOPs and all-to-all traffic of a training step",
-        plan.build_parser,
+        plan.PlanCommand,
         plan.run,
     ),
     "eval": (
-        "loss, perplexity and bits per byte of a trained run",
-        evaluate.build_parser,
+        "cross-entropy, perplexity and bits per byte of a trained run",
+        evaluate.EvalCommand,
         evaluate.run,
     ),
     "generate": (
         "text from a trained run, or from a Hugging Face checkpoint",
-        generate.build_parser,
+        generate.GenerateCommand,
         generate.run,
     ),
     "verify": (
         "a run's config, checkpoint digests and data identity, checked",
-        verify.build_parser,
+        verify.VerifyCommand,
         verify.run,
     ),
-}
-TYRO_COMMANDS = {
-    "train": "train a model (--help: common options; --help-all: all of them)",
-    "presets": "the model presets and their sizes",
 }
 _ERRORS = (ValueError, OSError, CheckpointError, BackendUnavailableError)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one line, `dropless NAME: error: ...`, exit 2."""
-
-    def error(self, message: str):
-        hint = f" (see {self.prog} --help)" if "argument" in message else ""
-        print(f"{self.prog}: error: {message}{hint}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def top_help() -> str:
     """`dropless --help`: the subcommands, one line each."""
-    rows = {**TYRO_COMMANDS, **{name: c[0] for name, c in COMMANDS.items()}}
+    rows = dict([TRAIN, *((name, c[0]) for name, c in COMMANDS.items())])
     width = max(map(len, rows)) + 3
     lines = [
         "usage: dropless COMMAND [OPTIONS]",
@@ -74,34 +72,28 @@ def top_help() -> str:
     return "\n".join(lines)
 
 
-def parser(name: str) -> OneLineParser:
-    """The parser of subcommand `name` (one of COMMANDS)."""
-    description, build, _ = COMMANDS[name]
-    out = OneLineParser(
-        prog=f"dropless {name}", description=description[0].upper() + description[1:] + "."
-    )
-    build(out)
-    return out
-
-
 def run_command(args: Sequence[str]) -> int:
-    """Runs `dropless ARGS` for every first word but train and presets: a COMMANDS entry, the
-    help, or a one-line error for anything else. Returns the exit status."""
+    """Runs `dropless ARGS` for every first word but train: a COMMANDS entry, the help, or a
+    one-line error for anything else. Returns the exit status."""
     if not args or args[0] in ("-h", "--help", "help"):
         print(top_help())
         raise SystemExit(0)
     name = args[0]
     if name not in COMMANDS:
-        known = ", ".join([*TYRO_COMMANDS, *COMMANDS])
+        known = [TRAIN[0], *COMMANDS]
         what = "option" if name.startswith("-") else "command"
+        near = [n for n in known if n.startswith(name[:3])] if len(name) > 2 else []
+        hint = f" (did you mean {' or '.join(near)}?)" if near else ""
         print(
-            f"dropless: error: unknown {what} {name!r}; the first word is a command: {known}",
+            f"dropless: error: unknown {what} {name!r}{hint}; the first word is a command: "
+            f"{', '.join(known)}",
             file=sys.stderr,
         )
         return 2
-    options = parser(name).parse_args(list(args[1:]))
+    _, options, run = COMMANDS[name]
+    parsed = parse_command(options, args[1:], prog=f"dropless {name}")
     try:
-        return COMMANDS[name][2](options)
+        return run(parsed)
     except _ERRORS as err:
         print(f"dropless {name}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

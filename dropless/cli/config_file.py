@@ -2,6 +2,7 @@
 `--set section.field=value` overrides, checked field by field."""
 
 import dataclasses
+import difflib
 import os
 import typing
 from collections.abc import Sequence
@@ -54,8 +55,12 @@ def replace_checked(config, values: object, where: str):
     types = {f.name: f.type for f in dataclasses.fields(config)}
     unknown = sorted(set(values) - set(types))
     if unknown:
+        near = {name: difflib.get_close_matches(name, types, n=1) for name in unknown}
+        hints = [
+            f"{name} (did you mean {near[name][0]}?)" if near[name] else name for name in unknown
+        ]
         raise ValueError(
-            f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(types))}"
+            f"{where}: unknown field(s) {', '.join(hints)}; known: {', '.join(sorted(types))}"
         )
     values = dict(values)
     for name, value in values.items():

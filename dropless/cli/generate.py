@@ -4,11 +4,13 @@ beside a Hugging Face checkpoint). A model without a tokenizer (a run on the syn
 takes `--prompt-ids` and prints ids. Ids that the tokenizer lacks (a model vocabulary larger
 than the tokenizer's) print as nothing."""
 
-import argparse
+import dataclasses
 from pathlib import Path
+from typing import Annotated
 
 import jax
 import numpy as np
+import tyro
 
 from dropless.data.tokenizer import AbstractTokenizer, load_tokenizer
 from dropless.models.deepseek_v3 import DeepSeekV3, from_pretrained, generate
@@ -16,30 +18,32 @@ from dropless.train.store.layout import TOKENIZER_FILE
 from dropless.train.store.run_dir import load_run
 
 
-def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options of `generate`, added to `parser`."""
-    parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run's --out-dir")
-    parser.add_argument(
-        "--hf", metavar="PATH", help="a Hugging Face checkpoint directory instead of a run"
-    )
-    parser.add_argument("--prompt", metavar="TEXT", help="the text to continue")
-    parser.add_argument(
-        "--prompt-ids", metavar="1,2,3", help="the prompt as token ids (a run with no tokenizer)"
-    )
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=200, metavar="N", help="(default: %(default)s)"
-    )
-    parser.add_argument(
-        "--temperature", type=float, default=0.8, metavar="T", help="0: greedy (default: 0.8)"
-    )
-    parser.add_argument("--top-k", type=int, metavar="K", help="sample from the K best tokens")
-    parser.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass")
-    parser.add_argument(
-        "--seed", type=int, default=0, metavar="N", help="the same seed, the same text"
-    )
-    parser.add_argument("--step", type=int, metavar="N", help="checkpoint (default: the latest)")
-    parser.add_argument("--num-samples", type=int, default=1, metavar="K", help="samples to draw")
-    return parser
+@dataclasses.dataclass(frozen=True)
+class GenerateCommand:
+    """Text from a trained run, or from a Hugging Face checkpoint, after a prompt."""
+
+    run_dir: Annotated[tyro.conf.Positional[str | None], tyro.conf.arg(metavar="RUN_DIR")] = None
+    """A run's --out-dir (or give --hf)."""
+    hf: str | None = None
+    """A Hugging Face checkpoint directory instead of a run."""
+    prompt: str | None = None
+    """The text to continue."""
+    prompt_ids: str | None = None
+    """The prompt as comma-separated token ids, 1,2,3 (a run with no tokenizer)."""
+    max_new_tokens: int = 200
+    """Tokens to write after the prompt."""
+    temperature: float = 0.8
+    """Sampling temperature; 0: greedy."""
+    top_k: int | None = None
+    """Sample from the K likeliest tokens only."""
+    top_p: float | None = None
+    """Nucleus sampling: from the likeliest tokens holding this probability mass."""
+    seed: int = 0
+    """The same seed, the same text."""
+    step: int | None = None
+    """The run's checkpoint (default: the latest)."""
+    num_samples: int = 1
+    """Samples to draw."""
 
 
 def _model(args) -> tuple[DeepSeekV3, AbstractTokenizer | None, bool]:
@@ -63,11 +67,12 @@ def _prompt(args, tokenizer: AbstractTokenizer | None, bos: bool) -> np.ndarray:
         raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3 (one of them)")
     if args.prompt_ids is not None:
         try:
-            return np.asarray([int(i) for i in args.prompt_ids.split(",") if i.strip()], np.int32)
+            ids = np.asarray([int(i) for i in args.prompt_ids.split(",") if i.strip()], np.int32)
         except ValueError:
             raise ValueError(
                 f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers"
             ) from None
+        return ids
     if tokenizer is None:
         raise ValueError(
             "--prompt needs a tokenizer, and this model has none (a run on the synthetic corpus, "
@@ -79,10 +84,13 @@ def _prompt(args, tokenizer: AbstractTokenizer | None, bos: bool) -> np.ndarray:
     return ids
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: GenerateCommand) -> int:
     """Generates as `args` say and prints each sample (text, or ids without a tokenizer)."""
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+    for flag, value in (("--prompt", args.prompt), ("--prompt-ids", args.prompt_ids)):
+        if value is not None and not value.replace(",", "").strip():
+            raise ValueError(f"{flag} is empty: give the text to continue")
     model, tokenizer, bos = _model(args)
     prompt = _prompt(args, tokenizer, bos)
     eos = None if tokenizer is None else tokenizer.eos_id

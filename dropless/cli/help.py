@@ -1,6 +1,7 @@
-"""The help of `dropless train`, written here rather than by tyro: `--help` shows the common
-options on a screen, `--help-all` every option in groups, each help text reflowed to the
-terminal (no sentence broken mid-line, no boxes). Tyro still parses the options."""
+"""The help of every `dropless` command, written here from its options dataclass's field
+docstrings rather than by tyro: each help text reflowed to the terminal (no sentence broken
+mid-line, no boxes). `dropless train --help` shows the common options on a screen, `--help-all`
+every option in groups. Tyro still parses the options (dropless.cli.parsing)."""
 
 import ast
 import dataclasses
@@ -11,6 +12,8 @@ import textwrap
 import types
 import typing
 from typing import Annotated, Literal
+
+import tyro
 
 from dropless.cli.options import MODEL_HELP, ModelOptions, TrainCommand, backend_names
 from dropless.train.config import TrainConfig
@@ -48,7 +51,7 @@ class Option:
     group: str
 
 
-def _attribute_docs(cls: type) -> dict[str, str]:
+def attribute_docs(cls: type) -> dict[str, str]:
     """The docstrings under a dataclass's fields (what tyro shows as each option's help)."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
@@ -84,7 +87,21 @@ def _metavar(kind) -> str:
     return {type(None): "None"}.get(kind, getattr(kind, "__name__", str(kind)).upper())
 
 
+_POSITIONAL = typing.get_args(tyro.conf.Positional[int])[1]
+
+
+def is_positional(kind) -> bool:
+    """Whether a field's type is `tyro.conf.Positional[...]` (an argument, not an option)."""
+    return typing.get_origin(kind) is Annotated and any(
+        marker is _POSITIONAL for marker in kind.__metadata__
+    )
+
+
 def _flags(name: str, kind) -> str:
+    if is_positional(kind):
+        metavars = [m.metavar for m in kind.__metadata__ if getattr(m, "metavar", None)]
+        many = typing.get_origin(typing.get_args(kind)[0]) is tuple
+        return (metavars[0] if metavars else name.upper()) + (" ..." if many else "")
     flag = "--" + name.replace("_", "-")
     if kind is bool:
         prefix, _, last = flag.removeprefix("--").rpartition(".")
@@ -95,7 +112,7 @@ def _flags(name: str, kind) -> str:
 def options(defaults: TrainCommand) -> list[Option]:
     """Every option of `dropless train`, with the defaults of `defaults`, in help order."""
     out = []
-    command_docs = _attribute_docs(TrainCommand)
+    command_docs = attribute_docs(TrainCommand)
     for field in dataclasses.fields(TrainCommand):
         if field.name not in ("model", "train"):
             value = getattr(defaults, field.name)
@@ -103,7 +120,7 @@ def options(defaults: TrainCommand) -> list[Option]:
             if field.name == "backend":  # the names registered now
                 flags = f"--backend {{{','.join(backend_names())}}}"
             out.append(Option(field.name, flags, command_docs[field.name], value, "run"))
-    train_docs, groups = _attribute_docs(TrainConfig), _field_groups(TrainConfig)
+    train_docs, groups = attribute_docs(TrainConfig), _field_groups(TrainConfig)
     for field in dataclasses.fields(TrainConfig):
         value = getattr(defaults.train, field.name)
         flags = _flags(field.name, field.type)
@@ -125,9 +142,9 @@ def _wrap(text: str, width: int, **kwargs) -> list[str]:
     return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False, **kwargs)
 
 
-def _format(option: Option, width: int) -> list[str]:
+def _format(option: Option, width: int, *, default: bool = True) -> list[str]:
     # an option whose help names its default already, or `--set` (none), shows no default
-    no_default = option.name == "set" or "default" in option.doc
+    no_default = not default or option.name == "set" or "default" in option.doc
     text = option.doc if no_default else f"{option.doc} (default: {option.default})"
     body = _wrap(text, width - _FLAG_WIDTH)
     pad = " " * _FLAG_WIDTH
@@ -139,9 +156,61 @@ def _format(option: Option, width: int) -> list[str]:
     return [head, *(pad + line for line in body)]
 
 
-def _header(width: int) -> list[str]:
-    description = " ".join(inspect.cleandoc(TrainCommand.__doc__).split())
-    return ["usage: dropless train [OPTIONS]", "", *_wrap(description, width), ""]
+def _header(width: int, cls: type = TrainCommand, usage: str = "dropless train") -> list[str]:
+    description = " ".join(inspect.cleandoc(cls.__doc__).split())
+    return [f"usage: {usage} [OPTIONS]", "", *_wrap(description, width), ""]
+
+
+def command_options(cls: type, defaults: object | None = None) -> list[Option]:
+    """The arguments and options of a command dataclass `cls`, from its fields: flags, field
+    docstring, default (that of `defaults` if given; "required" where there is none)."""
+    docs = attribute_docs(cls)
+    out = []
+    for field in dataclasses.fields(cls):
+        if defaults is not None:
+            value = getattr(defaults, field.name)
+        elif field.default is not dataclasses.MISSING:
+            value = field.default
+        else:
+            value = REQUIRED
+        group = "arguments" if is_positional(field.type) else "options"
+        out.append(
+            Option(field.name, _flags(field.name, field.type), docs[field.name], value, group)
+        )
+    return out
+
+
+REQUIRED = "required"
+
+
+def command_help(cls: type, prog: str, defaults: object | None = None) -> str:
+    """`dropless COMMAND --help` of a command dataclass: its docstring, then each argument and
+    option with its field docstring and default."""
+    width = _width()
+    found = command_options(cls, defaults)
+    arguments = " ".join(o.flags for o in found if o.group == "arguments")
+    lines = _header(width, cls, f"{prog} {arguments}".rstrip())
+    for group in ("arguments", "options"):
+        rows = [o for o in found if o.group == group]
+        if rows:
+            lines += [*([""] if lines[-1] else []), f"{group}:"]
+        for option in rows:
+            if group == "arguments" or option.default is REQUIRED:
+                option = dataclasses.replace(option, doc=f"{option.doc} (required)", default=None)
+                lines += _format(option, width, default=False)
+            else:
+                lines += _format(option, width)
+    return "\n".join(lines)
+
+
+def flag_names(found: list[Option]) -> list[str]:
+    """Every flag in `found` (`--resume`, `--no-resume`, ...), without metavars."""
+    return [
+        part.split()[0]
+        for option in found
+        if option.group != "arguments"
+        for part in option.flags.split(", ")
+    ]
 
 
 def short_help(defaults: TrainCommand) -> str:
@@ -164,7 +233,7 @@ def full_help(defaults: TrainCommand) -> str:
     """`dropless train --help-all`: every option, by group."""
     width = _width()
     lines = _header(width)
-    notes = {MODEL_GROUP: _attribute_docs(TrainCommand)["model"]}
+    notes = {MODEL_GROUP: attribute_docs(TrainCommand)["model"]}
     group = None
     for option in options(defaults):
         if option.group != group:

@@ -164,4 +164,5 @@ class TrainCommand:
 
 @dataclasses.dataclass(frozen=True)
 class PresetsCommand:
-    """List the model presets with their parameter counts."""
+    """List the model presets: parameter counts (total, active per token, MTP), layers, experts,
+    top-k and widths."""

@@ -1,25 +1,31 @@
-"""From arguments to a command: defaults from the preset and `--config`, then tyro's parse of
-the flags, `--help` and `--help-all` (dropless.cli.help), and a resumed run's own config."""
+"""From arguments to a command, the same way for every command (`parse_command`): `--help`
+written from the options dataclass's field docs (dropless.cli.help), an unknown option
+answered with the nearest known ones, tyro's parse of the rest with its errors on one line.
+`parse` adds what `dropless train` needs first: defaults from the preset and `--config`, and a
+resumed run's own config."""
 
 import contextlib
+import difflib
 import inspect
 import io
 import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Annotated, Union
 
 import tyro
 
 from dropless.cli.config_file import load_yaml_config, replace_checked
-from dropless.cli.help import HELP_FLAGS, full_help, short_help
-from dropless.cli.options import (
-    PresetsCommand,
-    TrainCommand,
-    backend_names,
-    to_options,
+from dropless.cli.help import (
+    HELP_FLAGS,
+    command_help,
+    command_options,
+    flag_names,
+    full_help,
+    options,
+    short_help,
 )
+from dropless.cli.options import PresetsCommand, TrainCommand, backend_names, to_options
 from dropless.models import get_preset
 from dropless.train.config import TrainConfig
 from dropless.train.store.layout import CHECKPOINT_DIR, CONFIG_FILE
@@ -59,40 +65,75 @@ def _unknown_backend(name: str) -> str:
     return f"unknown backend {name!r}; known backends: {known}"
 
 
-def _print_help(args: Sequence[str]) -> None:
-    """Prints the train command's help (all of it with --help-all) and exits."""
-    base = defaults(args)
-    print(full_help(base) if "--help-all" in args else short_help(base))
-    raise SystemExit(0)
+def parse_command(
+    cls: type,
+    args: Sequence[str],
+    *,
+    prog: str,
+    default: object | None = None,
+    help_text: str | None = None,
+    known: Sequence[str] | None = None,
+    label: str | None = None,
+):
+    """`args` (after the command's name) parsed into the options dataclass `cls` (`default`:
+    an instance with the defaults). `--help` prints `help_text` (default: `command_help`) and
+    exits 0; an option not in `known` (default: `cls`'s flags) or anything tyro rejects is one
+    line, `LABEL: error: ...` (`label` defaults to `prog`), and exit status 2."""
+    label = label or prog
+    if any(arg in HELP_FLAGS for arg in args):
+        print(help_text or command_help(cls, prog, default))
+        raise SystemExit(0)
+    known = flag_names(command_options(cls, default)) if known is None else known
+    _check_flags(args, known, prog, label)
+    return _tyro_cli(
+        cls,
+        default=default,
+        args=list(args),
+        prog=prog,
+        description=inspect.cleandoc(cls.__doc__ or ""),
+        label=label,
+    )
+
+
+def _check_flags(args: Sequence[str], known: Sequence[str], prog: str, label: str) -> None:
+    """One line naming the first unknown `--option` in args, with the known flags nearest to
+    it ("did you mean --steps?")."""
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--") or name.replace("_", "-") in known:  # tyro takes both
+            continue
+        near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(near)}?" if near else ""
+        _fail(label, f"unknown option {name}{hint}", prog)
+
+
+def _fail(label: str, message: str, prog: str):
+    print(f"{label}: error: {message} (see {prog} --help)", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def parse(args: Sequence[str], _saved: dict | None = None) -> TrainCommand | PresetsCommand:
     """The command that `args` (without the program name) describe; exits on --help and, through
     tyro, on malformed options; ValueError/FileNotFoundError report bad presets or config
     files."""
-    if args and args[0] == "train":
-        if any(arg in HELP_FLAGS for arg in args[1:]):
-            _print_help(args[1:])
-        # parsed on its own (not as the subcommand of a union) so that tyro's messages name
-        # `dropless train` and its options rather than an internal wrapper
-        command = _tyro_cli(
-            TrainCommand,
-            default=defaults(args[1:], _saved),
-            args=list(args[1:]),
-            prog="dropless train",
-            description=inspect.cleandoc(TrainCommand.__doc__),
-        )
-    else:
-        command = _tyro_cli(
-            Union[  # noqa: UP007
-                Annotated[TrainCommand, tyro.conf.subcommand("train")],
-                Annotated[PresetsCommand, tyro.conf.subcommand("presets")],
-            ],
-            args=list(args),
-            prog="dropless",
-            description="dropless: dropless Mixture-of-Experts training in JAX.",
-        )
-    if isinstance(command, TrainCommand) and command.backend not in backend_names():
+    if args[:1] == ["presets"]:
+        return parse_command(PresetsCommand, args[1:], prog="dropless presets")
+    if args[:1] != ["train"]:
+        raise ValueError(f"parse reads `train ...` or `presets`, got {' '.join(args)!r}")
+    base = defaults(args[1:], _saved)
+    help_text = None
+    if any(arg in HELP_FLAGS for arg in args[1:]):
+        help_text = full_help(base) if "--help-all" in args else short_help(base)
+    command = parse_command(
+        TrainCommand,
+        args[1:],
+        prog="dropless train",
+        default=base,
+        help_text=help_text,
+        known=flag_names(options(base)),
+        label="dropless",
+    )
+    if command.backend not in backend_names():
         print(
             f"dropless: error: --backend: {_unknown_backend(command.backend)} "
             "(see dropless train --help)",
@@ -147,9 +188,9 @@ def one_line_error(text: str) -> str:
     return message
 
 
-def _tyro_cli(kind, **kwargs):
-    """`tyro.cli`, its error box turned into the one-line `dropless: error: ...` of every
-    other message (exit status 2); its help text and other output are passed through."""
+def _tyro_cli(kind, *, label: str, **kwargs):
+    """`tyro.cli`, its error box turned into the one-line `LABEL: error: ...` of every other
+    message (exit status 2); its other output is passed through."""
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -158,12 +199,7 @@ def _tyro_cli(kind, **kwargs):
         if exit_.code in (0, None):
             print(out.getvalue(), end="")
             raise
-        prog = kwargs.get("prog", "dropless")
-        print(
-            f"dropless: error: {one_line_error(out.getvalue())} (see {prog} --help)",
-            file=sys.stderr,
-        )
-        raise SystemExit(2) from None
+        _fail(label, one_line_error(out.getvalue()), kwargs["prog"])
 
 
 def _resumed_config(command: TrainCommand | PresetsCommand) -> str | dict | None:

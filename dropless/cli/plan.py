@@ -1,8 +1,7 @@
-"""`dropless plan`: the command-line front end of `dropless.train.plan.plan`."""
+"""`dropless plan`: the command-line front end of `dropless.train.plan`."""
 
-import argparse
-import sys
-from collections.abc import Sequence
+import dataclasses
+from typing import Literal
 
 import jax
 
@@ -30,86 +29,91 @@ from dropless.train.plan.plan import (
 
 GPU_NAMES = tuple(GPUS)
 
-
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The options of `plan`, added to `parser` (a new one if None)."""
-    parser = parser or argparse.ArgumentParser(
-        prog="dropless plan",
-        description="Per-device memory, FLOPs and all-to-all traffic of a training step.",
-    )
-    parser.add_argument("--preset", required=True)
-    parser.add_argument("--mesh", default="", help="e.g. fsdp=16,expert=8 (default: one device)")
-    parser.add_argument("--batch-size", type=int, required=True, help="global sequences")
-    parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--micro-batches", type=int, default=1)
-    parser.add_argument("--remat", default=None, help="none | full | dots | dots_no_batch")
-    parser.add_argument("--moments-dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--offload-optimizer", action="store_true")
-    parser.add_argument("--device-memory", default=None, help="e.g. 141GB, 192GiB, bytes")
-    parser.add_argument("--recv-factor", type=float, default=None)
-    parser.add_argument("--exchange", default="ragged", choices=EXCHANGES)
-    parser.add_argument("--fsdp-gather", default="step", choices=FSDP_GATHERS)
-    parser.add_argument("--mfu", type=float, default=MFU, help="for the compute time")
-    parser.add_argument(
-        "--peak-tflops", type=float, default=PEAK_FLOPS / 1e12, help="per device, for the MFU"
-    )
-    parser.add_argument(
-        "--compile",
-        nargs="?",
-        const="H200",
-        default=None,
-        metavar="GPU",
-        help=f"also compile the real train step for the mesh on GPUs ({', '.join(GPU_NAMES)}; "
-        "default H200) without one, and print XLA's per-GPU memory beside the plan's "
-        "(needs JAX's CUDA PJRT plugin)",
-    )
-    parser.add_argument("--set", nargs="*", default=[], metavar="model.FIELD=VALUE")
-    return parser
+# What the verdict is against without --device-memory: an H200's memory, the GPU the project's
+# large runs use.
+ASSUMED_DEVICE = ("an H200", "141GB")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Prints the plan of `args` (from `build_parser`); a bad setting is one line on stderr,
-    exit 2."""
+@dataclasses.dataclass(frozen=True)
+class PlanCommand:
+    """Per-device memory, FLOPs and all-to-all traffic of a training step, and whether it fits
+    the device's memory, without allocating the model."""
+
+    preset: str
+    """The model preset (`dropless presets` lists them)."""
+    batch_size: int
+    """Global sequences per step."""
+    seq_len: int
+    """Tokens per sequence."""
+    mesh: str = ""
+    """Device mesh, e.g. fsdp=16,expert=8 (default: one device)."""
+    micro_batches: int = 1
+    """Gradient-accumulation passes per step."""
+    remat: Literal["none", "full", "dots", "dots_no_batch"] | None = None
+    """Rematerialisation per layer (default: the preset's)."""
+    moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    """AdamW moments' dtype."""
+    offload_optimizer: bool = False
+    """Keep the AdamW moments in host memory."""
+    device_memory: str | None = None
+    """Memory per device for the verdict, e.g. 141GB, 192GiB, or bytes (default: 141GB, an
+    H200's)."""
+    recv_factor: float | None = None
+    """Expert-parallel receive buffer, as a multiple of the balanced share."""
+    exchange: Literal[EXCHANGES] = "ragged"  # type: ignore[valid-type]
+    """Expert-parallel token exchange."""
+    fsdp_gather: Literal[FSDP_GATHERS] = "step"  # type: ignore[valid-type]
+    """FSDP: gather the weights once per step or per layer."""
+    mfu: float = MFU
+    """Model FLOPs utilisation for the compute time the network time is set against."""
+    peak_tflops: float = PEAK_FLOPS / 1e12
+    """Peak dense bf16 TFLOP/s per device, for the MFU."""
+    compile: Literal[GPU_NAMES] | None = None  # type: ignore[valid-type]
+    """Also compile the real train step for the mesh on these GPUs, without one, and print
+    XLA's per-GPU memory beside the plan's (needs JAX's CUDA PJRT plugin)."""
+    set: tuple[str, ...] = ()
+    """Dotted overrides in YAML: --set model.compute_dtype=bfloat16."""
+
+
+def run(args: PlanCommand) -> int:
+    """Prints the plan of `args`; a bad setting raises ValueError (one line, exit 2)."""
     if args.compile is not None:
         try:
-            if args.compile not in GPU_NAMES:
-                raise ValueError(f"--compile ({args.compile!r}) must be one of {GPU_NAMES}")
             check_plugin()
-        except (ValueError, PluginMissingError) as err:
-            print(f"dropless plan: error: {err}", file=sys.stderr)
-            return 2
+        except PluginMissingError as err:
+            raise ValueError(str(err)) from None
         # before any backend starts: the CUDA plugin then skips its driver check (no GPU here)
         # and still compiles for the GPU topology
         jax.config.update("jax_platforms", "cpu")
-    try:
-        config, _ = apply_overrides(get_preset(args.preset), TrainConfig(), args.set)
-        memory = None if args.device_memory is None else parse_bytes(args.device_memory)
-        p = plan(
-            config,
-            args.mesh,
-            args.batch_size,
-            args.seq_len,
-            micro_batches=args.micro_batches,
-            remat=args.remat,
-            moments_dtype=args.moments_dtype,
-            offload_optimizer=args.offload_optimizer,
-            device_memory=memory,
-            recv_factor=args.recv_factor,
-            exchange=args.exchange,
-            fsdp_gather=args.fsdp_gather,
-            mfu=args.mfu,
-            peak_flops=args.peak_tflops * 1e12,
-        )
-    except ValueError as err:
-        print(f"dropless plan: error: {err}", file=sys.stderr)
-        return 2
-    print(format_plan(p), flush=True)
+    config, _ = apply_overrides(get_preset(args.preset), TrainConfig(), args.set)
+    assumed = args.device_memory is None
+    memory = parse_bytes(ASSUMED_DEVICE[1] if assumed else args.device_memory)
+    p = plan(
+        config,
+        args.mesh,
+        args.batch_size,
+        args.seq_len,
+        micro_batches=args.micro_batches,
+        remat=args.remat,
+        moments_dtype=args.moments_dtype,
+        offload_optimizer=args.offload_optimizer,
+        device_memory=memory,
+        recv_factor=args.recv_factor,
+        exchange=args.exchange,
+        fsdp_gather=args.fsdp_gather,
+        mfu=args.mfu,
+        peak_flops=args.peak_tflops * 1e12,
+    )
+    text = format_plan(p)
+    if assumed:
+        text += f" ({ASSUMED_DEVICE[0]}'s, assumed; --device-memory sets another)"
+    print(text, flush=True)
     if args.compile is not None:
         return _compile(args, config, p)
     return 0
 
 
-def _compile(args: argparse.Namespace, config, p) -> int:
+def _compile(args: PlanCommand, config, p) -> int:
     """Compiles the step for `args.compile` GPUs and prints XLA's figure beside the plan's."""
     train = train_config(args.batch_size, args.seq_len, args.micro_batches, args.moments_dtype)
     if args.remat is not None:
@@ -130,8 +134,3 @@ def _compile(args: argparse.Namespace, config, p) -> int:
     )
     print(f"plan / XLA {p.total / m.total:.3f} ({p.total / gb:.2f} GB against {m.total / gb:.2f})")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`dropless plan ...`: prints the table; the exit status."""
-    return run(build_parser().parse_args(argv))

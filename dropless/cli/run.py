@@ -1,19 +1,24 @@
 """Running a parsed command: `dropless presets`' table, and `dropless train`'s header, run
 and summary of where the results went."""
 
+import math
 import os
 import signal
 import sys
 import time
+
+import numpy as np
 
 from dropless.backends import resolve_backend_name
 from dropless.cli.options import TrainCommand
 from dropless.files import disk_error, is_disk_error
 from dropless.models import PRESETS, get_preset
 from dropless.models.deepseek_v3 import count_params
+from dropless.train.loop import setup
 from dropless.train.loop.callbacks import EvalLines, ProgressBar
 from dropless.train.loop.data_source import DataSource, fit_vocab, open_data
 from dropless.train.loop.loop import TrainingDiverged, TrainingPreempted, train
+from dropless.train.loop.run_eval import count_bytes
 from dropless.train.loop.sample import eval_prompt, sample
 from dropless.train.store.checkpoint import CheckpointError
 from dropless.train.store.compile_cache import enable_compile_cache
@@ -26,8 +31,9 @@ SAMPLE_TEMPERATURE = 0.8
 
 
 def list_presets() -> None:
-    """Prints every model preset with its family (Hugging Face model type) and its total,
-    active and MTP parameter counts."""
+    """Prints every model preset's family (Hugging Face model type), parameter counts (total,
+    active per token, MTP) and shape: layers (dense first), routed experts (+ shared) and top-k,
+    the model, dense and expert widths."""
 
     def human(n: int) -> str:
         if n == 0:
@@ -36,22 +42,60 @@ def list_presets() -> None:
             return f"{n / 1e12:.2f}T"
         return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
-    print(f"{'preset':<18} {'family':<12} {'total':>8} {'active':>8} {'mtp':>8}")
+    header = (
+        "preset",
+        "family",
+        "total",
+        "active",
+        "mtp",
+        "layers",
+        "experts",
+        "top-k",
+        "width",
+        "ffn",
+    )
+    rows = [header]
     for name in PRESETS:
-        config = get_preset(name)
-        count = count_params(config)
-        sizes = f"{human(count.total):>8} {human(count.active):>8} {human(count.mtp):>8}"
-        print(f"{name:<18} {config.model_type:<12} {sizes}")
+        c = get_preset(name)
+        count = count_params(c)
+        rows.append(
+            (
+                name,
+                c.model_type,
+                human(count.total),
+                human(count.active),
+                human(count.mtp),
+                f"{c.num_hidden_layers} ({c.first_k_dense_replace} dense)",
+                f"{c.n_routed_experts}+{c.n_shared_experts}",
+                str(c.num_experts_per_tok),
+                str(c.hidden_size),
+                f"{c.intermediate_size}/{c.moe_intermediate_size}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        cells = [
+            row[0].ljust(widths[0]),
+            row[1].ljust(widths[1]),
+            *(v.rjust(w) for v, w in zip(row[2:], widths[2:], strict=True)),
+        ]
+        print("  ".join(cells))
+    print("experts: routed+shared per MoE layer; width: hidden size; ffn: dense/expert widths")
 
 
-def _describe(results, elapsed: float) -> str:
+def _describe(results, elapsed: float, bits_per_byte: float | None = None) -> str:
     files = results.files
     lines = [f"Done in {elapsed:.0f} s. Results in {results.out_dir}:"]
     final = results.final_eval
     if final is not None:
+        bpb = "" if bits_per_byte is None else f", bits per byte {bits_per_byte:.4f}"
         lines.append(
-            f"  eval loss {final['loss']:.4f} (cross-entropy {final['ce']:.4f}, "
-            f"MaxVio {final['max_vio']:.3f}) at step {final['step']}"
+            f"  eval (step {final['step']})  cross-entropy {final['ce']:.4f}, perplexity "
+            f"{math.exp(final['ce']):.2f}{bpb}"
+        )
+        lines.append(
+            f"               total loss {final['loss']:.4f} (with the MTP and balance terms), "
+            f"MaxVio {final['max_vio']:.3f}"
         )
     rate = results.throughput
     if rate["tokens_per_s"] is not None:
@@ -67,7 +111,27 @@ def _describe(results, elapsed: float) -> str:
         if key in files:
             lines.append(f"  {label:<12} {files[key]}")
     lines.append(f"  summary      {files['summary']}")
+    lines.append(
+        f"Next: dropless eval {results.out_dir}, dropless generate {results.out_dir} --prompt "
+        "TEXT, or load_run in Python (docs/use-a-trained-model.md)."
+    )
     return "\n".join(lines)
+
+
+def final_bits_per_byte(results, data: DataSource, train_config) -> float | None:
+    """Bits per byte of the run's last evaluation: its cross-entropy over the UTF-8 bytes of
+    the very targets it scored (None without a tokenizer or an evaluation)."""
+    final = results.final_eval
+    if final is None or data.tokenizer is None:
+        return None
+    targets = np.concatenate(
+        [
+            setup.batch(data.eval, i, train_config, "eval").tokens[:, 1:]
+            for i in range(train_config.eval_batches)
+        ]
+    )
+    n_bytes = count_bytes(data.tokenizer, targets)
+    return final["ce"] * targets.size / math.log(2) / n_bytes if n_bytes else None
 
 
 def run_name(command: TrainCommand, resume: bool) -> str:
@@ -200,7 +264,9 @@ def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
             file=sys.stderr,
         )
         return 128 + getattr(signal, err.signal_name, signal.SIGTERM)
-    print(_describe(results, time.perf_counter() - began), flush=True)
+    elapsed = time.perf_counter() - began
+    bits_per_byte = final_bits_per_byte(results, data, train_config)
+    print(_describe(results, elapsed, bits_per_byte), flush=True)
     # a mesh run's model routes through its expert-parallel layers, which decode only inside
     # the mesh's shard_map: no sample there
     if command.sample and not train_config.mesh:

@@ -4,58 +4,45 @@
 empty or unreadable input, an existing output directory), never a traceback.
 """
 
-import argparse
+import dataclasses
 import sys
+from typing import Annotated
+
+import tyro
 
 from dropless.data.prepare import prepare
 from dropless.data.sources import FOLDER_EXTENSIONS
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The options of `prepare`, added to `parser` (a new one if None)."""
-    parser = parser or argparse.ArgumentParser(
-        prog="dropless prepare",
-        description="Tokenize text into DIR/train.bin, eval.bin, tokenizer.json and meta.json.",
-    )
-    parser.add_argument(
-        "inputs",
-        nargs="+",
-        metavar="INPUT",
-        help="text files, folders (recursively, by --extensions), .jsonl (a 'text' field per "
-        "line) or .parquet (a 'text' column; needs pyarrow)",
-    )
-    parser.add_argument("--out", required=True, metavar="DIR", help="the output directory")
-    parser.add_argument(
-        "--tokenizer",
-        default="byte",
-        metavar="byte|bpe|PATH",
-        help="'byte' (256 byte symbols + bos/eos), 'bpe' (byte-level BPE trained on the train "
-        "split) or the path of a tokenizer.json (default: byte)",
-    )
-    parser.add_argument(
-        "--vocab-size", type=int, metavar="N", help="BPE vocabulary size (default 8192)"
-    )
-    parser.add_argument(
-        "--eval-fraction",
-        type=float,
-        default=0.02,
-        metavar="F",
-        help="expected fraction of documents held out for eval (default 0.02)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train/eval split")
-    parser.add_argument(
-        "--extensions",
-        default=" ".join(FOLDER_EXTENSIONS),
-        metavar="'.EXT ...'",
-        help="file extensions read from folders (default: %(default)s)",
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing DIR")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser
+@dataclasses.dataclass(frozen=True)
+class PrepareCommand:
+    """Tokenize text into OUT/train.bin, eval.bin, tokenizer.json and meta.json, the data
+    directory that `dropless train --data OUT` reads."""
+
+    inputs: Annotated[tyro.conf.Positional[tuple[str, ...]], tyro.conf.arg(metavar="INPUT")]
+    """Text files, folders (recursively, by --extensions), .jsonl (a 'text' field per line) or
+    .parquet (a 'text' column; needs pyarrow)."""
+    out: str
+    """The output directory."""
+    tokenizer: str = "byte"
+    """'byte' (256 byte symbols + bos/eos), 'bpe' (byte-level BPE trained on the train split) or
+    the path of a tokenizer.json."""
+    vocab_size: int | None = None
+    """BPE vocabulary size (None: 8192)."""
+    eval_fraction: float = 0.02
+    """Expected fraction of documents held out for eval."""
+    seed: int = 0
+    """Seed of the train/eval split."""
+    extensions: str = " ".join(FOLDER_EXTENSIONS)
+    """File extensions read from folders, space- or comma-separated."""
+    overwrite: bool = False
+    """Replace an existing output directory."""
+    progress: bool = True
+    """Show a progress bar."""
 
 
-def run(args: argparse.Namespace) -> int:
-    """Prepare as `args` (from `build_parser`) say and print a summary; the exit status."""
+def run(args: PrepareCommand) -> int:
+    """Prepare as `args` say and print a summary; the exit status."""
     try:
         meta = prepare(
             args.inputs,
@@ -66,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             extensions=args.extensions.replace(",", " ").split(),
             overwrite=args.overwrite,
-            progress=not args.no_progress,
+            progress=args.progress,
         )
     except (ValueError, OSError) as e:  # FileNotFoundError, FileExistsError are OSErrors
         print(f"dropless prepare: error: {e}", file=sys.stderr)
@@ -91,4 +78,6 @@ def summary(meta: dict, out: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    """`python -m dropless.data ARGS`, the same options as `dropless prepare` (whose help and
+    errors dropless.cli writes); the exit status."""
+    return run(tyro.cli(PrepareCommand, args=argv, prog="python -m dropless.data"))

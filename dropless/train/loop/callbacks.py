@@ -1,7 +1,13 @@
 """The training loop's callbacks: the `Callback` hooks, and the ones the `dropless` command uses
 (evaluation lines, a tqdm progress bar, TensorBoard event files)."""
 
+import time
 import warnings
+
+import jax
+
+# the event JAX records when a compiled program comes from its persistent cache
+COMPILE_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 
 class Callback:
@@ -44,17 +50,31 @@ class EvalLines(Callback):
 
 class ProgressBar(Callback):
     """A tqdm progress bar with loss, MaxVio, tokens/s and MFU (where known); eval results as
-    lines."""
+    lines. Until the first step is done the bar says it is compiling, then a line says how long
+    that took and whether JAX's persistent compile cache served it; the rate and the time left
+    count only the steps after it."""
 
     def __init__(self, **tqdm_kwargs):
         self._kwargs = tqdm_kwargs
         self._bar = None
+        self._cache_hits = 0
+        self._started = 0.0
+
+    def _count_cache_hits(self, event: str, **kwargs) -> None:
+        if event == COMPILE_CACHE_HIT:
+            self._cache_hits += 1
 
     def on_start(self, info: dict) -> None:
         from tqdm.auto import tqdm
 
+        self._cache_hits, self._started = 0, time.perf_counter()
+        jax.monitoring.register_event_listener(self._count_cache_hits)
         self._bar = tqdm(
-            total=info["steps"], initial=info["start_step"], unit="step", **self._kwargs
+            total=info["steps"],
+            initial=info["start_step"],
+            unit="step",
+            desc="compiling the first step",
+            **self._kwargs,
         )
 
     def on_step(self, record: dict) -> None:
@@ -66,7 +86,21 @@ class ProgressBar(Callback):
         if record.get("mfu") is not None:
             postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
         self._bar.set_postfix(postfix, refresh=False)
-        self._bar.update(record["step"] - self._bar.n)
+        if self._bar.desc:  # the first step: compiled, its time not counted in the rate
+            self._first_step_done(record["step"])
+        else:
+            self._bar.update(record["step"] - self._bar.n)
+
+    def _first_step_done(self, step: int) -> None:
+        jax.monitoring.unregister_event_listener(self._count_cache_hits)
+        took = time.perf_counter() - self._started
+        source = "loaded from the compile cache" if self._cache_hits else "compiled"
+        self._bar.write(f"first step {source} in {took:.0f} s", file=self._kwargs.get("file"))
+        bar = self._bar
+        bar.set_description_str("", refresh=False)
+        bar.n = bar.last_print_n = bar.initial = step
+        bar.start_t = bar.last_print_t = time.time()  # tqdm's clock
+        bar.refresh()
 
     def on_eval(self, record: dict) -> None:
         self._bar.write(eval_line(record), file=self._kwargs.get("file"))
@@ -76,6 +110,8 @@ class ProgressBar(Callback):
 
     def close(self) -> None:
         if self._bar is not None:
+            if self._bar.desc:
+                jax.monitoring.unregister_event_listener(self._count_cache_hits)
             self._bar.close()
             self._bar = None
 

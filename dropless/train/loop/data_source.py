@@ -20,8 +20,8 @@ from dropless.data.datasets import AbstractDataset, SyntheticCorpus, TokenFile, 
 from dropless.data.verify import check_ids, read_meta, sha256_file, split_file, verify_prepared
 from dropless.models.deepseek_v3 import DeepSeekV3Config
 from dropless.train.config import TrainConfig
+from dropless.train.store.layout import STDLIB, SYNTHETIC
 
-STDLIB, SYNTHETIC = "stdlib", "synthetic"
 PREPARED_FILES = ("train.bin", "eval.bin", "tokenizer.json", "meta.json")
 _HOW_TO_PREPARE = (
     "a prepared data directory holds train.bin, eval.bin, tokenizer.json and meta.json; make one "
@@ -68,6 +68,11 @@ def open_data(train_config: TrainConfig, vocab_size: int, *, progress: bool = Fa
             f"TrainConfig.data: {data!r} is neither 'stdlib', 'synthetic', a prepared data "
             f"directory nor a token file; {_HOW_TO_PREPARE}"
         )
+    if _looks_like_text(data):
+        raise ValueError(
+            f"TrainConfig.data: {data} is text, not token ids; tokenize it first: `dropless "
+            f"prepare {data} --out data/NAME`, then `--data data/NAME`"
+        )
     train, held_out = token_file_splits(
         data,
         train_config.data_dtype,
@@ -82,6 +87,20 @@ def open_data(train_config: TrainConfig, vocab_size: int, *, progress: bool = Fa
     else:
         record["eval_path"] = os.path.abspath(train_config.eval_data)
     return DataSource(train, held_out, None, record)
+
+
+def _looks_like_text(path: str) -> bool:
+    """Whether the file starts as UTF-8 text: no NUL or other control bytes but tab and line
+    breaks (a token file's ids below 256, or 8192 as uint16, have control high bytes)."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.start < len(head) - 3:  # not a character cut at the end of the read
+            return False
+        text = head[: err.start].decode("utf-8")
+    return bool(text) and all(c >= " " or c in "\t\n\r" for c in text)
 
 
 def _prepared(directory: str, source: str) -> DataSource:

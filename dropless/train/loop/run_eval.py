@@ -11,10 +11,11 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
-from dropless.data.datasets import AbstractDataset, TokenFile
+from dropless.data.datasets import AbstractDataset, Batch, TokenFile
 from dropless.data.tokenizer import AbstractTokenizer, ByteTokenizer, load_tokenizer
 from dropless.data.verify import read_meta, split_file, verify_prepared
 from dropless.train.config import TrainConfig
@@ -60,11 +61,13 @@ def evaluate_run(
     run: LoadedRun,
     *,
     data: str | os.PathLike | None = None,
-    batches: int | None = None,
+    batches: int | Literal["all"] | None = None,
     batch_size: int | None = None,
 ) -> dict:
     """Cross-entropy, perplexity and bits per byte of `run.model` on `batches` batches (default:
-    the run's `eval_batches`) of `batch_size` windows (default: the run's) of its `seq_len`.
+    the run's `eval_batches`) of `batch_size` windows (default: the run's) of its `seq_len`;
+    `batches="all"`: the whole eval split once, in consecutive windows (the few tokens after
+    the last whole window left out), the last batch smaller.
 
     `data`: a prepared directory whose eval split to read (default: the run's own eval data).
     Bits per byte = total nats / ln 2 / total UTF-8 bytes, the bytes being those of exactly the
@@ -73,19 +76,28 @@ def evaluate_run(
     None where no tokenizer is known (the synthetic corpus). The result also holds every loss
     term of the trainer's evaluation (`loss` is theirs, `ce` the cross-entropy).
     """
-    config = _eval_config(run.train_config, batches, batch_size)
+    config = _eval_config(run.train_config, None if batches == "all" else batches, batch_size)
     dataset, tokenizer, source = _eval_data(run, data)
     began = time.perf_counter()
-    terms = evaluate(run.model, dataset, config)
-    targets = np.concatenate(
-        [setup.batch(dataset, i, config, "eval").tokens[:, 1:] for i in range(config.eval_batches)]
-    )
+    parts = [(dataset, config)] if batches != "all" else _whole_split(dataset, config)
+    targets, terms = [], {}
+    for part, part_config in parts:
+        scored = [
+            setup.batch(part, i, part_config, "eval").tokens[:, 1:]
+            for i in range(part_config.eval_batches)
+        ]
+        share = sum(t.size for t in scored)
+        for name, value in evaluate(run.model, part, part_config).items():
+            terms[name] = terms.get(name, 0.0) + value * share
+        targets += scored
+    targets = np.concatenate(targets)
+    terms = {name: value / targets.size for name, value in terms.items()}
     n_bytes = None if tokenizer is None else count_bytes(tokenizer, targets)
     nats = terms["ce"] * targets.size
     return {
         "step": run.step,
         "data": source,
-        "batches": config.eval_batches,
+        "batches": sum(c.eval_batches for _, c in parts),
         "batch_size": config.batch_size,
         "seq_len": config.seq_len,
         "tokens": int(targets.size),
@@ -95,6 +107,51 @@ def evaluate_run(
         "bits_per_byte": nats / math.log(2) / n_bytes if n_bytes else None,
         "eval_time": time.perf_counter() - began,
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsecutiveWindows(AbstractDataset):
+    """A token file's range read in order: batch `step` holds windows `first + step *
+    batch_size + [0, batch_size)`, window i being tokens `[i seq_len, (i + 1) seq_len]` of the
+    range (one token shared with the next window, so every token after the first is a
+    target once). The seed and split are ignored."""
+
+    source: TokenFile
+    first: int = 0
+
+    def batch(
+        self, step: int, *, seed: int, batch_size: int, seq_len: int, split: str = "train"
+    ) -> Batch:
+        begin = self.source.start + (self.first + step * batch_size) * seq_len
+        rows = [
+            np.asarray(self.source.tokens[begin + j * seq_len : begin + (j + 1) * seq_len + 1])
+            for j in range(batch_size)
+        ]
+        tokens = np.stack(rows).astype(np.int32)
+        return Batch(tokens=tokens, language=np.full((batch_size,), -1, np.int32))
+
+
+def _whole_split(
+    dataset: AbstractDataset, config: TrainConfig
+) -> list[tuple[AbstractDataset, TrainConfig]]:
+    """(dataset, config) pairs that together score every whole window of `dataset` once: the
+    full batches, then the rest in one smaller batch."""
+    if not isinstance(dataset, TokenFile):
+        raise ValueError("batches='all' needs a token file's eval split (not the synthetic corpus)")
+    stop = len(dataset.tokens) if dataset.stop is None else min(dataset.stop, len(dataset.tokens))
+    windows = (stop - dataset.start - 1) // config.seq_len
+    if windows < 1:
+        raise ValueError(
+            f"the eval split holds fewer than seq_len + 1 = {config.seq_len + 1} tokens"
+        )
+    full, rest = divmod(windows, config.batch_size)
+    parts = []
+    if full:
+        parts.append((ConsecutiveWindows(dataset), dataclasses.replace(config, eval_batches=full)))
+    if rest:
+        last = dataclasses.replace(config, eval_batches=1, batch_size=rest, micro_batches=1)
+        parts.append((ConsecutiveWindows(dataset, full * config.batch_size), last))
+    return parts
 
 
 def append_metrics(path: str | os.PathLike, record: dict) -> dict:

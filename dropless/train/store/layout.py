@@ -10,3 +10,6 @@ TOKENIZER_FILE = "tokenizer.json"
 
 # What config.yaml records for a `Backend` value that is no registry name.
 CUSTOM_BACKEND = "custom"
+
+# `TrainConfig.data` values that name a built-in corpus rather than a prepared directory.
+STDLIB, SYNTHETIC = "stdlib", "synthetic"

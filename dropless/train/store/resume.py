@@ -9,6 +9,7 @@ import warnings
 
 from dropless.models.deepseek_v3.config import DROPLESS_FIELDS
 from dropless.train.config import TrainConfig
+from dropless.train.step.optim import learning_rate
 from dropless.train.step.step import TrainState
 from dropless.train.store.checkpoint import Checkpointer, CheckpointError, CorruptCheckpoint
 from dropless.train.store.data_identity import check_resume_data
@@ -80,6 +81,22 @@ def config_changes(saved: dict, train_config: TrainConfig) -> list[str]:
     ]
 
 
+def schedule_change(saved: dict, train_config: TrainConfig, step: int) -> str | None:
+    """What a resumed run with other `steps` than the checkpoint's does to the learning rate
+    (None: the same steps). The warmup-cosine schedule is refit to the new `steps`, so the
+    rate of the next step moves: the message says from what to what."""
+    before = saved.get("steps")
+    if not isinstance(before, int) or before == train_config.steps:
+        return None
+    old = dataclasses.replace(train_config, steps=before)
+    then, now = float(learning_rate(old, step)), float(learning_rate(train_config, step))
+    return (
+        f"steps {before} -> {train_config.steps}: the learning-rate schedule now ends at step "
+        f"{train_config.steps}, so step {step + 1} trains at lr {now:.3g} (the run's schedule: "
+        f"{then:.3g})"
+    )
+
+
 def restore_intact(
     checkpointer: Checkpointer,
     fresh: TrainState,
@@ -139,6 +156,9 @@ def restore_intact(
             f"resuming from step {step}; the later checkpoints were moved to {', '.join(moved)}",
             stacklevel=2,
         )
+    note = schedule_change(saved.get("train") or {}, train_config, step)
+    if note:
+        warnings.warn(note, stacklevel=2)
     changes = config_changes(saved.get("train") or {}, train_config)
     if changes:
         warnings.warn(

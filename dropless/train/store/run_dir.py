@@ -21,6 +21,7 @@ import jax
 import yaml
 
 from dropless.backends import Backend, get_backend
+from dropless.data import default_corpus_dir
 from dropless.data.tokenizer import AbstractTokenizer, load_tokenizer
 from dropless.data.verify import sha256_file
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
@@ -33,6 +34,8 @@ from dropless.train.store.layout import (
     CONFIG_FILE,
     CUSTOM_BACKEND,
     METRICS_FILE,
+    STDLIB,
+    SYNTHETIC,
     TOKENIZER_FILE,
 )
 
@@ -93,10 +96,13 @@ def _build(cls, values: dict, where: str):
 
 
 def data_dir(train_config: TrainConfig) -> Path | None:
-    """The prepared data directory a run read (None for the synthetic corpus): `data` itself
-    when it is a directory, else the directory of its token file."""
-    if train_config.data == "synthetic":
+    """The prepared data directory a run read (None for the synthetic corpus): the default
+    corpus's cached folder for "stdlib", `data` itself when it is a directory, else the
+    directory of its token file."""
+    if train_config.data == SYNTHETIC:
         return None
+    if train_config.data == STDLIB:
+        return default_corpus_dir(progress=False)
     path = Path(train_config.data)
     return path if path.is_dir() else path.parent
 

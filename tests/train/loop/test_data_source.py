@@ -69,6 +69,22 @@ def test_bad_data_is_a_clear_error(tmp_path):
         open_data(TrainConfig(data=str(tmp_path / "nothing")), 512)
 
 
+def test_a_text_file_points_to_prepare(tmp_path, prepared):
+    text = tmp_path / "README.md"
+    text.write_text("# Notes\n\nCafé — naïve text, an odd number of bytes.\n" * 50 + "End")
+    assert text.stat().st_size % 2  # what uint16 reading called "not a positive multiple of 2"
+    with pytest.raises(ValueError, match=r"README.md is text, not token ids.*dropless prepare"):
+        open_data(TrainConfig(data=str(text)), 512)
+    # token files are not text: byte-level ids, and BPE-sized ids as uint16 and uint32
+    ids = np.random.default_rng(0).integers(0, 8192, 5000)
+    for dtype in ("uint16", "uint32"):
+        path = tmp_path / f"ids.{dtype}"
+        ids.astype(dtype).tofile(path)
+        assert open_data(TrainConfig(data=str(path), data_dtype=dtype), 8192).tokenizer is None
+    data = open_data(TrainConfig(data=str(prepared / "train.bin")), 512)
+    assert data.record["source"] == "token-file"
+
+
 def test_the_tokenizer_sets_the_vocabulary_unless_given(prepared):
     data = open_data(TrainConfig(data=str(prepared)), 512)
     assert fit_vocab(TINY, data, given=False).vocab_size == 258

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dropless.cli.plan import main
+from dropless import cli
 from dropless.experts import GroupedExperts
 from dropless.models.deepseek_v3 import DeepSeekV3, count_params, get_preset
 from dropless.train import TrainConfig, init_state, train_step
@@ -105,8 +105,9 @@ def test_compile_without_the_plugin_is_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("dropless plan: error: --compile needs JAX's CUDA PJRT plugin")
     assert err.count("\n") == 1 and f"jax-cuda12-pjrt=={jax.__version__}" in err
-    assert main([*args, "--compile", "B200"]) == 2
-    assert "--compile" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--compile", "B200"])
+    assert exit_.value.code == 2 and "--compile" in capsys.readouterr().err
 
 
 def test_parameter_count_and_bytes():
@@ -203,10 +204,22 @@ def test_parse_bytes():
         parse_bytes("lots")
 
 
+def main(argv: list[str]) -> int:
+    return cli.main(["plan", *argv])
+
+
 def test_command(capsys):
     args = ["--preset", "tiny", "--batch-size", str(BATCH), "--seq-len", str(SEQ)]
     assert main([*args, "--device-memory", "1GB"]) == 0
-    assert "total / device" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "total / device" in out and re.search(r"fits +yes: ", out) and "assumed" not in out
+    assert main([*args, "--device-memory", "1000"]) == 0
+    assert re.search(r"fits +NO: ", capsys.readouterr().out)
+    # without --device-memory, the verdict is against an H200's, and says so
+    assert main(args) == 0
+    assert "of 141.00 GB (an H200's, assumed; --device-memory sets another)" in (
+        capsys.readouterr().out
+    )
     assert main([*args, "--mesh", "data=3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dropless plan:") and err.count("\n") == 1

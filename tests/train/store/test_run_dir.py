@@ -154,6 +154,25 @@ def test_bits_per_byte_on_a_prepared_directory(tiny):
     assert out["bits_per_byte"] == pytest.approx(expected, rel=1e-9)
 
 
+@slow
+def test_eval_of_the_whole_split_scores_every_token_once(tiny):
+    data, run_dir, _ = tiny
+    run = load_run(run_dir)
+    split = prepared_eval_split(data)
+    windows = (len(split.tokens) - 1) // 32
+    assert windows % 3  # a smaller last batch
+    out = evaluate_run(run, data=data, batches="all", batch_size=3)
+    assert out["tokens"] == windows * 32 and out["batches"] == -(-windows // 3)
+    # the oracle: the model's cross-entropy over every consecutive window, in one forward
+    tokens = np.asarray(split.tokens[: windows * 32 + 1], np.int32)
+    rows = np.stack([tokens[i * 32 : i * 32 + 33] for i in range(windows)])
+    logits = eqx.filter_jit(lambda m, t: m(t).logits)(run.model, rows[:, :-1])
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
+    ce = -np.take_along_axis(np.asarray(logp), rows[:, 1:, None], -1).mean()
+    assert out["ce"] == pytest.approx(ce, rel=1e-5)
+    assert out["bytes"] == int(np.count_nonzero(rows[:, 1:] < 256))
+
+
 def test_append_metrics_keeps_every_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"split": "train", "step": 1}\n')
