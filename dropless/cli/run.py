@@ -6,9 +6,10 @@ import signal
 import sys
 import time
 
-from dropless.backends import resolve_backend_name
+from dropless.backends import get_backend, resolve_backend_name
 from dropless.cli.options import TrainCommand
 from dropless.models.deepseek_v3 import PRESETS, count_params, get_preset
+from dropless.sharding import parse_mesh
 from dropless.train.checkpoint import CheckpointError
 from dropless.train.compile_cache import enable_compile_cache
 from dropless.train.data_source import DataSource, fit_vocab, open_data
@@ -75,10 +76,19 @@ def run_name(command: TrainCommand, resume: bool) -> str:
     return command.preset
 
 
-def _backend_label(backend: str) -> str:
-    """The backend's name, with the one it stands for if it is "auto": "auto (jnp)"."""
+def _backend_label(backend: str, mesh: str | None = None) -> str:
+    """The backend's name, with the one it stands for if it is "auto": "auto (jnp)"; on a
+    mesh with an expert axis > 1, what dispatches when the backend does not exchange tokens
+    itself (`prepare_model` swaps in the "ep" dispatcher, keeping the other stages)."""
     resolved = resolve_backend_name(backend)
-    return backend if resolved == backend else f"{backend} ({resolved})"
+    label = backend if resolved == backend else f"{backend} ({resolved})"
+    if not mesh or parse_mesh(mesh).get("expert", 1) == 1:
+        return label
+    try:
+        exchanging = get_backend(backend).expert_parallel
+    except ImportError:  # `train` says what is missing
+        return label
+    return label if exchanging else f"{label} with the 'ep' dispatcher"
 
 
 def _data_label(data: DataSource) -> str:
@@ -127,7 +137,7 @@ def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
         f"dropless: {verb} '{name}' on {_data_label(data)} for {train_config.steps} "
         f"step{'s' if train_config.steps != 1 else ''} "
         f"(batch {train_config.batch_size} x {train_config.seq_len} tokens, backend "
-        f"{_backend_label(command.backend)}{mesh}) -> {out_dir}",
+        f"{_backend_label(command.backend, train_config.mesh)}{mesh}) -> {out_dir}",
         flush=True,
     )
     bar = ProgressBar(file=sys.stderr) if command.progress else None
