@@ -5,10 +5,11 @@ analysis, and where its FSDP all-gathers sit (inside the layer loop or at the to
         --xla_cpu_use_fusion_emitters=false" JAX_PLATFORMS=cpu \
         python benchmarks/bench_fsdp_memory.py --layers 2,4,8,16 --meshes fsdp=8 "fsdp=4,expert=2"
 
-Nothing runs: each step is only compiled, on 8 emulated CPU devices. The model is the tiny
-preset widened (width 512, 8 experts of width 256, dense FFN 1536, 4 heads, latent ranks 128),
-remat "full", float32, a batch of 8 sequences of 32 tokens. With one layer's weights gathered
-at a time, temp memory grows with depth by the saved activations only; with the whole model
+Nothing runs: each step is only compiled, on 8 emulated CPU devices. The model (`--model`) is
+the tiny preset at width 512 with 8 experts ("tiny512", issue 52's setting), or also with wider
+FFNs and latents ("wide": experts 256, dense FFN 1536, ranks 128); remat "full", float32, a
+batch of 8 sequences of 32 tokens. With one layer's weights gathered at a time, temp memory
+grows with depth by the saved activations and the (sharded) gradients; with the whole model
 gathered before the scan, by about two whole layers of weights per layer.
 """
 
@@ -32,17 +33,25 @@ from dropless.train.step import init_state
 MB = 1e6
 
 
-def config(layers: int):
+MODELS = {
+    "tiny512": {},
+    "wide": {
+        "intermediate_size": 1536,
+        "moe_intermediate_size": 256,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 128,
+    },
+}
+
+
+def config(model: str, layers: int):
     return get_preset(
         "tiny",
         hidden_size=512,
-        intermediate_size=1536,
-        moe_intermediate_size=256,
         n_routed_experts=8,
-        q_lora_rank=128,
-        kv_lora_rank=128,
         num_hidden_layers=layers,
         remat="full",
+        **MODELS[model],
     )
 
 
@@ -87,9 +96,9 @@ def all_gathers(hlo: str) -> tuple[int, int]:
     return count(inside), count(set(comps) - inside)
 
 
-def measure(mesh_spec: str, layers: int) -> dict:
+def measure(model: str, mesh_spec: str, layers: int) -> dict:
     mesh = sharding.mesh_from_spec(mesh_spec)
-    c = config(layers)
+    c = config(model, layers)
     train_config = TrainConfig(batch_size=8, seq_len=32)
     model = prepare_model(DeepSeekV3(c, key=jax.random.key(0)), mesh)
     state = shard_state(init_state(model, train_config), mesh)
@@ -115,6 +124,7 @@ def measure(mesh_spec: str, layers: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny512", choices=tuple(MODELS))
     parser.add_argument("--layers", default="2,4,8,16")
     parser.add_argument("--meshes", nargs="+", default=["fsdp=8", "fsdp=4,expert=2"])
     parser.add_argument("--name", default="fsdp_memory_cpu8", help="results file name")
@@ -123,7 +133,7 @@ def main():
     rows = []
     for spec in args.meshes:
         for layers in map(int, args.layers.split(",")):
-            rows.append(measure(spec, layers))
+            rows.append(measure(args.model, spec, layers))
             print(rows[-1], flush=True)
     print_table(rows, f"sharded train step, per device ({args.label or 'this commit'})")
     for spec in args.meshes:
@@ -134,7 +144,8 @@ def main():
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
     ).stdout.strip()
-    command = ["python benchmarks/bench_fsdp_memory.py", "--layers", args.layers, "--meshes"]
+    command = ["python benchmarks/bench_fsdp_memory.py", "--model", args.model]
+    command += ["--layers", args.layers, "--meshes"]
     meta = {
         "machine": machine(),
         "commit": commit,

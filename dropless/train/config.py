@@ -42,7 +42,8 @@ class TrainConfig:
     """Device mesh to train on, e.g. 'data=2,expert=4' (axes data, fsdp, expert; their product
     must equal the device count; axes left out have size 1). Parameters and optimiser state are
     sharded over it and each batch split over its devices; expert > 1 switches the MoE layers to
-    the expert-parallel 'ep' backend. None (default): one device."""
+    the expert-parallel 'ep' dispatcher (the other MoE stages stay the backend's). None (default):
+    one device."""
     offload_optimizer: bool = False
     """Keep Adam's moments in pinned host memory between steps; each step moves them to the
     device for the update and back (less device memory, more host-device traffic)."""

@@ -1,7 +1,7 @@
 """The train loop's state and steps on a device mesh (`TrainConfig.mesh`, `--mesh data=2,expert=4`).
 
     mesh = resolve_mesh("data=2,expert=4", model_config, train_config)   # None: one device
-    model = prepare_model(model, mesh)          # expert-parallel when expert > 1, checked
+    # built sharded; the model passes prepare_model (expert-parallel when expert > 1, checked)
     state = init_sharded_state(lambda: DeepSeekV3(model_config, key=key), train_config, mesh)
     state, metrics = sharded_train_step(mesh, state, sharding.shard_batch(tokens, mesh))
 
