@@ -171,22 +171,28 @@ def logical_param_specs(model: PyTree, *, fsdp_min_size: int = FSDP_MIN_SIZE) ->
     return jax.tree.map(node, model, is_leaf=lambda n: isinstance(n, GroupedExperts))
 
 
-def to_mesh_spec(logical: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+def to_mesh_spec(logical: P, shape: tuple[int, ...], mesh: "Mesh | Mapping[str, int]") -> P:
     """A logical PartitionSpec -> mesh PartitionSpec, through `AXIS_RULES`. A mesh axis splits
     one dimension at most ("experts" first); a dimension takes the longest leading run of its
-    remaining mesh axes whose size divides it."""
+    remaining mesh axes whose size divides it. `mesh`: a Mesh, or its axis sizes alone."""
+    sizes = dict(mesh.shape if isinstance(mesh, Mesh) else mesh)
+
+    def product(axes):
+        return math.prod(sizes[a] for a in axes)
+
     experts = [d for d, name in enumerate(logical) if name == "experts"]
     out: list = [None] * len(shape)
     used: set[str] = set()
     for d in experts + [d for d in range(len(shape)) if d not in experts]:
         name, size = logical[d], shape[d]
-        axes = tuple(a for a in _mesh_axes(mesh, name) if a not in used) if name else ()
-        if name == "experts" and axes and size % _size(mesh, axes):
+        rule = AXIS_RULES[name] if name else ()
+        axes = tuple(a for a in rule if sizes.get(a, 1) > 1 and a not in used)
+        if name == "experts" and axes and size % product(axes):
             raise ValueError(
                 f"the experts dimension ({size}) must be divisible by the size of mesh axes "
-                f"{axes} ({_size(mesh, axes)}): n_routed_experts % expert == 0"
+                f"{axes} ({product(axes)}): n_routed_experts % expert == 0"
             )
-        while axes and size % _size(mesh, axes):
+        while axes and size % product(axes):
             axes = axes[:-1]
         used.update(axes)
         out[d] = None if not axes else axes[0] if len(axes) == 1 else axes

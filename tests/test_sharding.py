@@ -128,6 +128,10 @@ def test_dense_weights_take_the_expert_axis_where_it_divides():
     assert sharding.to_mesh_spec(logical, (3, 16), mesh) == P(None, ("fsdp", "expert"))
     assert sharding.to_mesh_spec(logical, (3, 6), mesh) == P(None, "fsdp")  # 6 % 8, 6 % 2 == 0
     assert sharding.to_mesh_spec(logical, (3, 5), mesh) == P(None, None)
+    # the axis sizes alone give the same specs (what the planner has)
+    assert sharding.to_mesh_spec(logical, (3, 16), {"fsdp": 2, "expert": 4}) == P(
+        None, ("fsdp", "expert")
+    )
     # the experts dimension takes the expert axis first; fsdp then splits alone
     assert sharding.to_mesh_spec(P("experts", "fsdp"), (8, 16), mesh) == P("expert", "fsdp")
     # what gather_fsdp gathers: the fsdp dimension only, never the experts
