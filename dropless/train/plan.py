@@ -126,21 +126,8 @@ def _spec_leaves(tree) -> list:
 
 
 def _mesh_spec(logical, shape, sizes: dict[str, int]) -> jax.sharding.PartitionSpec:
-    """`sharding.to_mesh_spec`'s rule on axis sizes alone (it takes a device `Mesh`): a logical
-    axis goes to its `AXIS_RULES` mesh axes of size > 1, or stays whole where they do not
-    divide it, except "experts", which must divide."""
-    out = []
-    for name, size in zip(logical, shape, strict=True):
-        axes = tuple(a for a in sharding.AXIS_RULES.get(name, ()) if sizes[a] > 1)
-        if axes and size % math.prod(sizes[a] for a in axes):
-            if name == "experts":
-                raise ValueError(
-                    f"the experts dimension ({size}) must be divisible by the size of mesh axes "
-                    f"{axes} ({math.prod(sizes[a] for a in axes)}): n_routed_experts % expert == 0"
-                )
-            axes = ()
-        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return jax.sharding.PartitionSpec(*out)
+    """`sharding.to_mesh_spec` on axis sizes alone (there is no device `Mesh` to plan on)."""
+    return sharding.to_mesh_spec(logical, shape, sizes)
 
 
 def _local(shape, spec, sizes: dict[str, int]) -> int:
