@@ -12,9 +12,10 @@ import yaml
 from dropless.models.deepseek_v3 import DeepSeekV3Config
 from dropless.train.config import TrainConfig
 
-# `data` records what a run read (`DataSource.record`): written into config.yaml, not read back
-# (`train.data` says what to read).
-SECTIONS = ("preset", "backend", "model", "train", "data")
+# `data` records what a run read (`DataSource.record`) and `stages` the MoE strategies that ran
+# (`dropless.train.step.sharded.stages`): written into config.yaml, not read back (`train.data` and
+# `backend` say what to use).
+SECTIONS = ("preset", "backend", "model", "train", "data", "stages")
 
 
 def parse_yaml(text, where: str):

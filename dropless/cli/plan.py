@@ -62,15 +62,14 @@ class PlanCommand:
     """Expert-parallel receive buffer, as a multiple of the balanced share."""
     exchange: Literal[EXCHANGES] = "ragged"  # type: ignore[valid-type]
     """Expert-parallel token exchange."""
-    fsdp_gather: Literal[FSDP_GATHERS] = "step"  # type: ignore[valid-type]
-    """FSDP: gather the weights once per step or per layer."""
+    fsdp_gather: Literal[FSDP_GATHERS] = "layer"  # type: ignore[valid-type]
+    """FSDP: per layer (what the step does) or the whole model at once (for comparison)."""
     mfu: float = MFU
-    """Model FLOPs utilisation for the compute time the network time is set against."""
+    """MFU of the compute time that the network time is set against."""
     peak_tflops: float = PEAK_FLOPS / 1e12
-    """Peak dense bf16 TFLOP/s per device, for the MFU."""
+    """Peak bf16 TFLOP/s per device, for the MFU."""
     compile: Literal[GPU_NAMES] | None = None  # type: ignore[valid-type]
-    """Also compile the real train step for the mesh on these GPUs, without one, and print
-    XLA's per-GPU memory beside the plan's (needs JAX's CUDA PJRT plugin)."""
+    """Also compile the train step for these GPUs (no GPU needed) and print XLA's figure."""
     set: tuple[str, ...] = ()
     """Dotted overrides in YAML: --set model.compute_dtype=bfloat16."""
 

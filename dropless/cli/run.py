@@ -9,11 +9,12 @@ import time
 
 import numpy as np
 
-from dropless.backends import resolve_backend_name
+from dropless.backends import get_backend, resolve_backend_name
 from dropless.cli.options import TrainCommand
 from dropless.files import disk_error, is_disk_error
 from dropless.models import PRESETS, get_preset
 from dropless.models.deepseek_v3 import count_params
+from dropless.sharding import parse_mesh
 from dropless.train.loop import setup
 from dropless.train.loop.callbacks import EvalLines, ProgressBar
 from dropless.train.loop.data_source import DataSource, fit_vocab, open_data
@@ -147,10 +148,19 @@ def run_name(command: TrainCommand, resume: bool) -> str:
     return command.preset
 
 
-def _backend_label(backend: str) -> str:
-    """The backend's name, with the one it stands for if it is "auto": "auto (jnp)"."""
+def _backend_label(backend: str, mesh: str | None = None) -> str:
+    """The backend's name, with the one it stands for if it is "auto": "auto (jnp)"; on a
+    mesh with an expert axis > 1, what dispatches when the backend does not exchange tokens
+    itself (`prepare_model` swaps in the "ep" dispatcher, keeping the other stages)."""
     resolved = resolve_backend_name(backend)
-    return backend if resolved == backend else f"{backend} ({resolved})"
+    label = backend if resolved == backend else f"{backend} ({resolved})"
+    if not mesh or parse_mesh(mesh).get("expert", 1) == 1:
+        return label
+    try:
+        exchanging = get_backend(backend).expert_parallel
+    except ImportError:  # `train` says what is missing
+        return label
+    return label if exchanging else f"{label} with the 'ep' dispatcher"
 
 
 def _data_label(data: DataSource) -> str:
@@ -226,7 +236,7 @@ def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
         f"dropless: {verb} '{name}' on {_data_label(data)} for {train_config.steps} "
         f"step{'s' if train_config.steps != 1 else ''} "
         f"(batch {train_config.batch_size} x {train_config.seq_len} tokens, backend "
-        f"{_backend_label(command.backend)}{mesh}) -> {out_dir}",
+        f"{_backend_label(command.backend, train_config.mesh)}{mesh}) -> {out_dir}",
         flush=True,
     )
     bar = ProgressBar(file=sys.stderr) if command.progress else None

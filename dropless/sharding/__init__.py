@@ -32,7 +32,9 @@ from dropless.sharding.mesh import (
 )
 from dropless.sharding.specs import (
     FSDP_MIN_SIZE,
+    fsdp_specs,
     gather_fsdp,
+    is_array_like,
     logical_param_specs,
     opt_state_specs,
     param_specs,
@@ -46,6 +48,8 @@ __all__ = [
     "FSDP_MIN_SIZE",
     "MESH_AXES",
     "ShardedMoE",
+    "fsdp_specs",
+    "is_array_like",
     "axes_size",
     "batch_axes",
     "batch_spec",

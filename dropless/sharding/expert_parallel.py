@@ -16,7 +16,7 @@ from dropless import balance
 from dropless.dispatch import AbstractDispatcher, AbstractExpertParallelDispatcher
 from dropless.moe import MoE, MoEStats
 from dropless.sharding.mesh import AXIS_RULES, axes_size, batch_axes, batch_spec
-from dropless.sharding.specs import FSDP_MIN_SIZE, gather_fsdp, param_specs
+from dropless.sharding.specs import FSDP_MIN_SIZE, fsdp_specs, gather_fsdp, param_specs
 
 
 def dispatchers(model: PyTree) -> list[AbstractDispatcher]:
@@ -111,9 +111,10 @@ class ShardedMoE(eqx.Module):
             )
         arrays, static = eqx.partition(self.moe, eqx.is_array)
         specs = param_specs(arrays, self.mesh, fsdp_min_size=self.fsdp_min_size)
+        gathers = fsdp_specs(arrays, self.mesh, fsdp_min_size=self.fsdp_min_size)
 
         def local(arrays, x):
-            moe = eqx.combine(gather_fsdp(arrays, specs), static)
+            moe = eqx.combine(gather_fsdp(arrays, gathers), static)
             y, stats = moe(x, seq_len=self.seq_len)
             return y, reduce_moe_stats(stats, axes)
 

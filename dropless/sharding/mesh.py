@@ -26,7 +26,9 @@ AXIS_RULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "batch": ("data", "fsdp", "expert"),  # tokens / sequences: every device its own slice
         "experts": ("expert",),  # routed experts of GroupedExperts weights (expert parallelism)
-        "fsdp": ("fsdp",),  # the largest dimension of a large parameter (storage only)
+        # the largest dimension of a large parameter (storage only); an array whose experts
+        # take the expert axis splits this dimension over fsdp alone
+        "fsdp": ("fsdp", "expert"),
     }
 )
 

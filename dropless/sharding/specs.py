@@ -1,7 +1,12 @@
 """Sharded parameters, optimizer state and batches: the PartitionSpecs `AXIS_RULES` gives
 them, their placement on a mesh, and the all-gather of fsdp-sharded arrays inside a
 `jax.shard_map` (their gradient is reduce-scattered by the transpose), so storage and optimizer
-state are split, compute is not (ZeRO-2 style)."""
+state are split, compute is not (ZeRO-3 style: the train step gathers one layer at a time).
+Arrays that are not experts' weights split that dimension over `fsdp` x `expert`, so that the
+expert axis does not copy them."""
+
+import math
+from collections.abc import Mapping
 
 import equinox as eqx
 import jax
@@ -12,9 +17,15 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from dropless.experts import GroupedExperts
-from dropless.sharding.mesh import axes_size, batch_spec, mesh_axes
+from dropless.sharding.mesh import AXIS_RULES, batch_spec
 
 FSDP_MIN_SIZE = 2**16  # parameters with fewer elements stay replicated under fsdp
+
+
+def is_array_like(x) -> bool:
+    """An array, or the `jax.ShapeDtypeStruct` that stands for one under `jax.eval_shape`
+    (which `eqx.is_array` rejects): what the sharding helpers give a spec."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def logical_param_specs(model: PyTree, *, fsdp_min_size: int = FSDP_MIN_SIZE) -> PyTree:
@@ -26,7 +37,7 @@ def logical_param_specs(model: PyTree, *, fsdp_min_size: int = FSDP_MIN_SIZE) ->
     """
 
     def spec(leaf, experts_dim=None):
-        if not eqx.is_array(leaf):
+        if not is_array_like(leaf):
             return None
         names: list[str | None] = [None] * leaf.ndim
         if experts_dim is not None:
@@ -39,25 +50,37 @@ def logical_param_specs(model: PyTree, *, fsdp_min_size: int = FSDP_MIN_SIZE) ->
 
     def node(n):
         if isinstance(n, GroupedExperts):
-            return jax.tree.map(lambda a: spec(a, a.ndim - 3 if eqx.is_array(a) else None), n)
+            return jax.tree.map(lambda a: spec(a, a.ndim - 3 if is_array_like(a) else None), n)
         return spec(n)
 
     return jax.tree.map(node, model, is_leaf=lambda n: isinstance(n, GroupedExperts))
 
 
-def to_mesh_spec(logical: P, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """A logical PartitionSpec -> mesh PartitionSpec, through `AXIS_RULES`."""
-    out = []
-    for name, size in zip(logical, shape, strict=True):
-        axes = mesh_axes(mesh, name) if name is not None else ()
-        if axes and size % axes_size(mesh, axes):
-            if name == "experts":
-                raise ValueError(
-                    f"the experts dimension ({size}) must be divisible by the size of mesh axes "
-                    f"{axes} ({axes_size(mesh, axes)}): n_routed_experts % expert == 0"
-                )
-            axes = ()
-        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+def to_mesh_spec(logical: P, shape: tuple[int, ...], mesh: "Mesh | Mapping[str, int]") -> P:
+    """A logical PartitionSpec -> mesh PartitionSpec, through `AXIS_RULES`. A mesh axis splits
+    one dimension at most ("experts" first); a dimension takes the longest leading run of its
+    remaining mesh axes whose size divides it. `mesh`: a Mesh, or its axis sizes alone."""
+    sizes = dict(mesh.shape if isinstance(mesh, Mesh) else mesh)
+
+    def product(axes):
+        return math.prod(sizes[a] for a in axes)
+
+    experts = [d for d, name in enumerate(logical) if name == "experts"]
+    out: list = [None] * len(shape)
+    used: set[str] = set()
+    for d in experts + [d for d in range(len(shape)) if d not in experts]:
+        name, size = logical[d], shape[d]
+        rule = AXIS_RULES[name] if name else ()
+        axes = tuple(a for a in rule if sizes.get(a, 1) > 1 and a not in used)
+        if name == "experts" and axes and size % product(axes):
+            raise ValueError(
+                f"the experts dimension ({size}) must be divisible by the size of mesh axes "
+                f"{axes} ({product(axes)}): n_routed_experts % expert == 0"
+            )
+        while axes and size % product(axes):
+            axes = axes[:-1]
+        used.update(axes)
+        out[d] = None if not axes else axes[0] if len(axes) == 1 else axes
     return P(*out)
 
 
@@ -78,7 +101,7 @@ def _shardings(specs: PyTree, mesh: Mesh) -> PyTree:
 
 def shard_model(model: PyTree, mesh: Mesh, *, fsdp_min_size: int = FSDP_MIN_SIZE) -> PyTree:
     """The same model with every array placed on `mesh` as `param_specs` says."""
-    arrays, static = eqx.partition(model, eqx.is_array)
+    arrays, static = eqx.partition(model, is_array_like)
     specs = param_specs(arrays, mesh, fsdp_min_size=fsdp_min_size)
     return eqx.combine(jax.device_put(arrays, _shardings(specs, mesh)), static)
 
@@ -120,22 +143,29 @@ def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
     )
 
 
-def _fsdp_axis(spec: P) -> tuple[int, str] | None:
-    for dim, entry in enumerate(spec):
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        if "fsdp" in axes:
-            return dim, "fsdp"
-    return None
+def fsdp_specs(model: PyTree, mesh: Mesh, *, fsdp_min_size: int = FSDP_MIN_SIZE) -> PyTree:
+    """For every array of `model`, its mesh spec restricted to the dimension that the "fsdp"
+    row of the table splits (None elsewhere, and for arrays without one): what `gather_fsdp`
+    gathers. The experts dimension stays split."""
+    logical = logical_param_specs(model, fsdp_min_size=fsdp_min_size)
+
+    def restrict(leaf, spec):
+        if spec is None:
+            return None
+        mesh_spec = to_mesh_spec(spec, leaf.shape, mesh)
+        return P(*(m if name == "fsdp" else None for name, m in zip(spec, mesh_spec, strict=True)))
+
+    return jax.tree.map(restrict, model, logical, is_leaf=lambda n: n is None)
 
 
 def gather_fsdp(arrays: PyTree, specs: PyTree) -> PyTree:
-    """Inside shard_map: all-gathers every fsdp-sharded array (its gradient reduce-scatters)."""
+    """Inside shard_map: all-gathers every array over the mesh axes of its `fsdp_specs` entry
+    (its gradient reduce-scatters)."""
 
     def gather(leaf, spec):
-        found = None if spec is None else _fsdp_axis(spec)
-        if found is None:
-            return leaf
-        dim, axis = found
-        return jax.lax.all_gather(leaf, axis, axis=dim, tiled=True)
+        for dim, axes in enumerate(spec or ()):
+            if axes is not None:
+                leaf = jax.lax.all_gather(leaf, axes, axis=dim, tiled=True)
+        return leaf
 
     return jax.tree.map(gather, arrays, specs, is_leaf=lambda n: n is None)

@@ -42,7 +42,8 @@ class TrainConfig:
     """Device mesh to train on, e.g. 'data=2,expert=4' (axes data, fsdp, expert; their product
     must equal the device count; axes left out have size 1). Parameters and optimiser state are
     sharded over it and each batch split over its devices; expert > 1 switches the MoE layers to
-    the expert-parallel 'ep' backend. None (default): one device."""
+    the expert-parallel 'ep' dispatcher (the other MoE stages stay the backend's). None (default):
+    one device."""
     offload_optimizer: bool = False
     """Keep Adam's moments in pinned host memory between steps; each step moves them to the
     device for the update and back (less device memory, more host-device traffic)."""
@@ -76,6 +77,15 @@ class TrainConfig:
     """Storage of AdamW's two moments (always computed in float32). DeepSeek-V3 keeps them in
     bf16: 4 bytes less per parameter, read and written each step. Needs b1, b2 <= 0.98 (see
     `dropless.train.config.MAX_BF16_BETA`)."""
+    weight_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Storage of the weights that the step computes with. "bfloat16" (DeepSeek-V3's setting)
+    keeps the trainable arrays in bf16 in the model (read by the forward and backward, the
+    gradients come in bf16, FSDP moves bf16) and float32 master weights beside them, which the
+    optimiser updates; each step's weights are the master weights rounded. Needs the model's
+    `param_dtype` float32."""
+    grad_accum_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Storage of the running sum of gradients over `micro_batches` ("bfloat16": half the
+    memory of a float32 sum; with bf16 weights the gradients are bf16 already)."""
 
     # --- losses ---
     mtp_loss_weight: float = 0.3
@@ -227,6 +237,12 @@ class TrainConfig:
                         "times its distance to the new value round away below half an ulp, "
                         "which biases it (see dropless.train.config.MAX_BF16_BETA)"
                     )
+        for name in ("weight_dtype", "grad_accum_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                raise ValueError(
+                    f"TrainConfig.{name} must be 'float32' or 'bfloat16', got "
+                    f"{getattr(self, name)!r}"
+                )
         if self.data_dtype not in ("uint16", "uint32"):
             raise ValueError(
                 f"TrainConfig.data_dtype must be 'uint16' or 'uint32', got {self.data_dtype!r}"

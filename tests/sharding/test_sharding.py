@@ -100,7 +100,8 @@ def test_param_specs_follow_the_table():
     assert specs.experts.w_down == P(None, "expert", "fsdp", None)
     assert specs.router.w_router == P(None, None)
     assert specs.router.expert_bias == P(None)
-    assert specs.shared.w_down == P("fsdp", None)
+    # a dense weight splits over fsdp x expert, an experts' weight over fsdp alone
+    assert specs.shared.w_down == P(("fsdp", "expert"), None)
     # every spec is the logical one sent through AXIS_RULES
     for leaf, lspec, mspec in zip(
         jax.tree.leaves(eqx.filter(stacked, eqx.is_array)),
@@ -119,6 +120,43 @@ def test_param_specs_follow_the_table():
     assert sharding.param_specs(
         odd, sharding.make_mesh(fsdp=8), fsdp_min_size=256
     ).shared.w_gate == P(None, None)  # 36 % 8 != 0: replicated, not an error
+
+
+def test_dense_weights_take_the_expert_axis_where_it_divides():
+    mesh = sharding.make_mesh(fsdp=2, expert=4)
+    logical = P(None, "fsdp")
+    assert sharding.to_mesh_spec(logical, (3, 16), mesh) == P(None, ("fsdp", "expert"))
+    assert sharding.to_mesh_spec(logical, (3, 6), mesh) == P(None, "fsdp")  # 6 % 8, 6 % 2 == 0
+    assert sharding.to_mesh_spec(logical, (3, 5), mesh) == P(None, None)
+    # the axis sizes alone give the same specs (what the planner has)
+    assert sharding.to_mesh_spec(logical, (3, 16), {"fsdp": 2, "expert": 4}) == P(
+        None, ("fsdp", "expert")
+    )
+    # the experts dimension takes the expert axis first; fsdp then splits alone
+    assert sharding.to_mesh_spec(P("experts", "fsdp"), (8, 16), mesh) == P("expert", "fsdp")
+    # what gather_fsdp gathers: the fsdp dimension only, never the experts
+    moe = make_moe()
+    gathers = sharding.fsdp_specs(moe, mesh, fsdp_min_size=256)
+    assert gathers.experts.w_gate == P(None, None, "fsdp")
+    assert gathers.shared.w_gate == P(None, ("fsdp", "expert"))
+    assert gathers.router.w_router == P(None, None)  # below fsdp_min_size
+
+
+def test_abstract_leaves_are_arrays_to_the_specs():
+    """`jax.ShapeDtypeStruct` leaves (a state from `eqx.filter_eval_shape`) get the specs of
+    the arrays they stand for, and the optimizer moments follow their parameters."""
+    mesh = sharding.make_mesh(data=2, fsdp=2, expert=2)
+    moe = make_moe()
+    abstract = eqx.filter_eval_shape(make_moe)
+    assert isinstance(abstract.experts.w_gate, jax.ShapeDtypeStruct)
+    concrete = sharding.param_specs(moe, mesh, fsdp_min_size=256)
+    specs = sharding.param_specs(abstract, mesh, fsdp_min_size=256)
+    assert jax.tree.leaves(specs) == jax.tree.leaves(concrete)
+    assert specs.experts.w_gate == P("expert", None, "fsdp")
+    params = eqx.filter(abstract, sharding.is_array_like)
+    opt_state = eqx.filter_eval_shape(optax.adam(1e-3).init, params)
+    opt_specs = sharding.opt_state_specs(opt_state, params, specs)
+    assert opt_specs[0].nu.experts.w_gate == P("expert", None, "fsdp")
 
 
 def test_experts_must_divide():
@@ -141,7 +179,7 @@ def test_shard_model_and_opt_state():
     assert placed.router.w_router.sharding.spec == P(None, None)
     adam = opt_state[0]
     assert adam.mu.experts.w_up.sharding.spec == P("expert", None, "fsdp")
-    assert adam.nu.shared.w_down.sharding.spec == P("fsdp", None)
+    assert adam.nu.shared.w_down.sharding.spec == P(("fsdp", "expert"), None)
     assert adam.count.sharding.spec == P()
     # the local shard really is a slice
     assert placed.experts.w_up.addressable_shards[0].data.shape == (E // 2, DIM, HIDDEN // 2)

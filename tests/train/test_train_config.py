@@ -56,6 +56,8 @@ def validate(**values) -> None:
         ({"n_languages": 0}, "TrainConfig.n_languages must be >= 1, got 0"),
         ({"mesh": "data=2,bogus"}, "TrainConfig.mesh: "),
         ({"moments_dtype": "float16"}, "TrainConfig.moments_dtype must be 'float32' or"),
+        ({"weight_dtype": "float16"}, "TrainConfig.weight_dtype must be 'float32' or"),
+        ({"grad_accum_dtype": "int8"}, "TrainConfig.grad_accum_dtype must be 'float32' or"),
         ({"data_dtype": "int8"}, "TrainConfig.data_dtype must be 'uint16' or 'uint32'"),
     ],
 )

@@ -4,14 +4,20 @@ A stack is one `DecoderBlock` whose arrays carry a leading `layers` axis (built 
 `eqx.filter_vmap` over keys); `scan_blocks` runs it with `jax.lax.scan`, so a 61-layer model
 compiles one dense block and one MoE block, or, with `unroll`, every layer inline
 (`dropless.nn.unroll.unrolled_scan`).
+
+Inside `gathering_layers(gather)` every loop body over a stack (here and in `MTP`) first
+passes its layer's arrays through `gather` (`whole_layer`): how a sharded step all-gathers one
+layer's FSDP-sharded weights at a time, inside the loop.
 """
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from dropless.backends import Backend
 from dropless.bias_update import BIAS_UPDATES
@@ -37,8 +43,52 @@ REMAT: dict[str, Callable | None] = {
 MATMUL_WEIGHTS = frozenset(
     {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
     | {"k_proj", "v_proj"}
-    | {"w_gate", "w_up", "w_down"}
+    | {"w_gate", "w_up", "w_down", "eh_proj"}
 )
+
+_LAYER_GATHER: contextvars.ContextVar[Callable[[PyTree], PyTree] | None] = contextvars.ContextVar(
+    "dropless_layer_gather", default=None
+)
+
+
+@contextlib.contextmanager
+def gathering_layers(gather: Callable[[PyTree], PyTree]) -> Iterator[None]:
+    """While tracing inside this block, the arrays of each layer of every scanned stack pass
+    through `gather` at the top of the loop body (see `whole_layer`). A sharded step passes
+    a function that all-gathers the layer's FSDP-sharded arrays: one layer's weights are then
+    whole at a time, and the gathers' transposes (reduce-scatters) run in the backward loop."""
+    token = _LAYER_GATHER.set(gather)
+    try:
+        yield
+    finally:
+        _LAYER_GATHER.reset(token)
+
+
+def whole_layer(layer_arrays: PyTree, dtype) -> PyTree:
+    """Inside a loop body over a stack: the layer's arrays as the layer uses them. Outside
+    `gathering_layers`, `layer_arrays` itself. Inside, its matmul weights are cast to the
+    compute `dtype` first (their gathers then move that dtype: bf16 halves the bytes), and the
+    gather runs under `jax.checkpoint`, so the backward gathers again instead of keeping every
+    layer's whole weights (with or without the model's remat)."""
+    gather = _LAYER_GATHER.get()
+    if gather is None:
+        return layer_arrays
+
+    def cast_then_gather(arrays):
+        return gather(_cast_matmul_weights(arrays, dtype))
+
+    policy = jax.checkpoint_policies.nothing_saveable
+    return jax.checkpoint(cast_then_gather, policy=policy)(layer_arrays)
+
+
+def _cast_matmul_weights(arrays: PyTree, dtype) -> PyTree:
+    def cast(path, leaf):
+        name = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None
+        if name in MATMUL_WEIGHTS and eqx.is_inexact_array(leaf):
+            return leaf.astype(dtype)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(cast, arrays)
 
 
 def moe_strategies(backend: Backend | None) -> dict[str, Any]:
@@ -178,6 +228,7 @@ def scan_blocks(
 
     def body(h, xs):
         layer_arrays, ids = xs
+        layer_arrays = whole_layer(layer_arrays, h.dtype)
         return eqx.combine(layer_arrays, static)(h, return_routing=return_routing, replay=ids)
 
     if REMAT[remat] is not None:

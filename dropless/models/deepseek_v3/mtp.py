@@ -24,7 +24,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from dropless.backends import Backend
 from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
-from dropless.models.deepseek_v3.layers import REMAT, make_block, moe_strategies
+from dropless.models.deepseek_v3.layers import REMAT, make_block, moe_strategies, whole_layer
 from dropless.moe import MoEStats
 from dropless.nn.rmsnorm import RMSNorm
 from dropless.swiglu import init_linear
@@ -116,7 +116,7 @@ class MTP(eqx.Module):
 
         def body(h, xs):
             layer_arrays, emb_d, ids = xs
-            layer = eqx.combine(layer_arrays, static)
+            layer = eqx.combine(whole_layer(layer_arrays, h.dtype), static)
             h, stats = layer(h, emb_d, return_routing=return_routing, replay=ids)
             return h, (head(layer.shared_head.norm(h)), stats)
 

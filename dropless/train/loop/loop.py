@@ -224,7 +224,7 @@ def train(
     are exactly those of an uninterrupted run.
     `mesh` (or `train_config.mesh`; this argument wins): train on a device mesh, e.g.
     "data=2,expert=4" (see `dropless.train.step.sharded`): parameters and optimiser state sharded,
-    batches split, the MoE layers on the "ep" backend when expert > 1; the steps equal the
+    batches split, the MoE layers on the "ep" dispatcher when expert > 1; the steps equal the
     single-device ones. A mesh of one device is the single-device run.
 
     Raises ValueError for bad settings or data (token ids outside the vocabulary, sequences

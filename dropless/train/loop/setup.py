@@ -23,7 +23,13 @@ from dropless.train.loop import distributed, offload
 from dropless.train.loop.callbacks import Callback, TensorBoard
 from dropless.train.loop.data_source import DataSource, check_vocab, open_data
 from dropless.train.loop.metrics import MetricsWriter
-from dropless.train.step.sharded import prepare_model, resolve_mesh, shard_state
+from dropless.train.step.sharded import (
+    abstract_sharded_state,
+    init_sharded_state,
+    resolve_mesh,
+    shard_state,
+    stages,
+)
 from dropless.train.step.step import TrainState, init_state, moe_layer_names, with_config
 from dropless.train.store.atomic import write_atomic
 from dropless.train.store.checkpoint import Checkpointer, CheckpointError, open_for_resume
@@ -73,11 +79,13 @@ def config_dict(
     train_config: TrainConfig,
     backend: str,
     data: dict | None = None,
+    stages: dict | None = None,
 ) -> dict:
     """The YAML/JSON form of a run's configuration (what `dropless train --config` reads).
     `resume`, `resume_step` and `allow_data_change` are left out (false, None, false):
     rerunning a config starts a fresh run. `data`: the record of the data read
-    (`DataSource.record`: its identity, checked when the run continues)."""
+    (`DataSource.record`: its identity, checked when the run continues); `stages`: the MoE
+    strategy that runs at each stage (`sharded.stages`), written for the reader only."""
     out = {
         "backend": backend,
         "model": dataclasses.asdict(model_config),
@@ -89,6 +97,8 @@ def config_dict(
     }
     if data is not None:
         out["data"] = data
+    if stages:
+        out["stages"] = stages
     return out
 
 
@@ -129,6 +139,12 @@ def validate(model_config: DeepSeekV3Config, train_config: TrainConfig) -> None:
             f"TrainConfig.warmup_steps ({train_config.warmup_steps}) > steps "
             f"({train_config.steps}): the learning rate never reaches lr ({train_config.lr:g})",
             stacklevel=4,
+        )
+    if train_config.weight_dtype != "float32" and model_config.param_dtype != "float32":
+        raise ValueError(
+            f"TrainConfig.weight_dtype = {train_config.weight_dtype!r} keeps float32 master "
+            f"weights beside the model's, so the model's param_dtype must be 'float32' (got "
+            f"{model_config.param_dtype!r})"
         )
     platform = jax.devices()[0].platform
     if model_config.attention_impl == "cudnn" and platform != "gpu":
@@ -182,11 +198,17 @@ def _open_checkpoints(
 def _fresh_state(
     model_config: DeepSeekV3Config, train_config: TrainConfig, backend: Backend, mesh: Mesh | None
 ) -> TrainState:
-    model = DeepSeekV3(model_config, backend=backend, key=jax.random.key(train_config.seed))
+    """The state before step 0, or (resuming on a mesh) its abstract form, sharded: what a
+    restore reads each process's shards into."""
+
+    def make_model():
+        return DeepSeekV3(model_config, backend=backend, key=jax.random.key(train_config.seed))
+
     if mesh is None:
-        return init_state(model, train_config)
-    state = init_state(prepare_model(model, mesh), train_config)
-    return shard_state(state, mesh)  # also the `like` target of a restore
+        return init_state(make_model(), train_config)
+    if train_config.resume:
+        return abstract_sharded_state(make_model, train_config, mesh)
+    return init_sharded_state(make_model, train_config, mesh)
 
 
 def _output_files(out_dir: str) -> dict[str, str]:
@@ -303,7 +325,7 @@ def _open(
 
     if train_config.offload_optimizer:
         state = offload.to_host(state)
-    run_config = config_dict(model_config, train_config, name, data.record)
+    run_config = config_dict(model_config, train_config, name, data.record, stages(state.model))
     if distributed.is_main():
         write_atomic(files["config"], [yaml.safe_dump(run_config, sort_keys=False)])
     else:

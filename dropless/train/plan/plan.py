@@ -9,12 +9,12 @@ mesh, without allocating the model.
 Parameters, gradients and AdamW's moments come from `jax.eval_shape` of the real model and
 optimiser state, each array divided over the mesh as `dropless.sharding` places it (a dimension
 its mesh axes do not divide stays whole). Activations come from `plan_activations` (what the
-backward keeps under the remat policy). FSDP: the sharded step (`sharding.
-sharded_value_and_grad`) gathers every fsdp-sharded parameter at the start of the step and
-reduce-scatters the gradients at its end (`fsdp_gather="step"`), so one device holds the whole
-unsharded local model and its gradient at the backward's end; `fsdp_gather="layer"` estimates a
-step that gathers inside the layer scan instead (the arrays outside the layers whole, and two
-layers' weights and gradients in flight; never more than "step").
+backward keeps under the remat policy). FSDP: the sharded step
+(`dropless.train.step.sharded.sharded_value_and_grad`) gathers each layer's fsdp-sharded
+weights inside the layer scan and reduce-scatters their gradients in the backward scan
+(`fsdp_gather="layer"`: the arrays outside the layers whole, and two layers' weights and
+gradients in flight); `fsdp_gather="step"` prices a step that would gather the whole local model
+at its start instead, to show what the per-layer gathers save (never less than "layer").
 
 Communication per device and step: FSDP's all-gathers (parameters, in their dtype) and
 reduce-scatters (gradients), the all-reduces of gradients over the axes a parameter is
@@ -177,21 +177,8 @@ def _spec_leaves(tree) -> list:
 
 
 def _mesh_spec(logical, shape, sizes: dict[str, int]) -> jax.sharding.PartitionSpec:
-    """`sharding.to_mesh_spec`'s rule on axis sizes alone (it takes a device `Mesh`): a logical
-    axis goes to its `AXIS_RULES` mesh axes of size > 1, or stays whole where they do not
-    divide it, except "experts", which must divide."""
-    out = []
-    for name, size in zip(logical, shape, strict=True):
-        axes = tuple(a for a in sharding.AXIS_RULES.get(name, ()) if sizes[a] > 1)
-        if axes and size % math.prod(sizes[a] for a in axes):
-            if name == "experts":
-                raise ValueError(
-                    f"the experts dimension ({size}) must be divisible by the size of mesh axes "
-                    f"{axes} ({math.prod(sizes[a] for a in axes)}): n_routed_experts % expert == 0"
-                )
-            axes = ()
-        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return jax.sharding.PartitionSpec(*out)
+    """`sharding.to_mesh_spec` on axis sizes alone (there is no device `Mesh` to plan on)."""
+    return sharding.to_mesh_spec(logical, shape, sizes)
 
 
 def _local(shape, spec, sizes: dict[str, int]) -> int:
@@ -229,7 +216,7 @@ def plan(
     device_memory: int | None = None,
     recv_factor: float | None = None,
     exchange: str = "ragged",
-    fsdp_gather: str = "step",
+    fsdp_gather: str = "layer",
     mfu: float = MFU,
     peak_flops: float = PEAK_FLOPS,
 ) -> Plan:

@@ -30,11 +30,15 @@ def micro_batch_slices(
     return tokens.reshape(batch // micro_batches, micro_batches, *tokens.shape[1:]).swapaxes(0, 1)
 
 
-def accumulated(value_and_grad: Callable, micro_batches: int) -> Callable:
+def accumulated(
+    value_and_grad: Callable, micro_batches: int, *, grad_dtype: str = "float32"
+) -> Callable:
     """`value_and_grad(params, tokens) -> ((loss, (terms, stats)), grads)`, with `stats` a tuple
     of stacked `MoEStats`, run over `micro_batches` slices of `tokens` (`jax.lax.scan`): loss,
-    terms and gradients averaged over the slices (summed in float32), the statistics merged by
-    `merged_stats`. With one micro-batch, `value_and_grad` itself."""
+    terms and gradients averaged over the slices (summed in float32; the gradients in
+    `grad_dtype` where it is narrower than theirs: "bfloat16" halves the running sum's
+    memory), the statistics merged by `merged_stats`. With one micro-batch, `value_and_grad`
+    itself."""
     if micro_batches == 1:
         return value_and_grad
 
@@ -42,6 +46,10 @@ def accumulated(value_and_grad: Callable, micro_batches: int) -> Callable:
         slices = micro_batch_slices(tokens, micro_batches)
         shapes = jax.eval_shape(value_and_grad, params, slices[0])
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), shapes)
+        grad_zeros = jax.tree.map(
+            lambda s: jnp.zeros(s.shape, _grad_sum_dtype(s.dtype, grad_dtype)), shapes[1]
+        )
+        zeros = (zeros[0], grad_zeros)
 
         def add_slice(total, micro):
             out = value_and_grad(params, micro)
@@ -87,6 +95,13 @@ def merged_stats(summed: MoEStats, micro_batches: int) -> MoEStats:
         stats,
         tuple(mean / micro_batches for mean in means),
     )
+
+
+def _grad_sum_dtype(dtype, grad_dtype: str):
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return dtype
+    wide, narrow = _sum_dtype(dtype), jnp.dtype(grad_dtype)
+    return narrow if jnp.finfo(narrow).bits < jnp.finfo(wide).bits else wide
 
 
 def _sum_dtype(dtype):

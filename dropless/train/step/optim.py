@@ -46,9 +46,16 @@ def trainable_filter(model: PyTree) -> PyTree[bool]:
     """
 
     def is_trainable(path, leaf):
-        return eqx.is_inexact_array(leaf) and EXPERT_BIAS not in attribute_names(path)
+        return _is_inexact(leaf) and EXPERT_BIAS not in attribute_names(path)
 
     return jax.tree_util.tree_map_with_path(is_trainable, model)
+
+
+def _is_inexact(leaf) -> bool:
+    # a jax.ShapeDtypeStruct stands for an array under jax.eval_shape
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jnp.issubdtype(leaf.dtype, jnp.inexact)
+    return eqx.is_inexact_array(leaf)
 
 
 def expert_bias_filter(model: PyTree) -> PyTree[bool]:

@@ -1,8 +1,8 @@
 """The train loop's state and steps on a device mesh (`TrainConfig.mesh`, `--mesh data=2,expert=4`).
 
     mesh = resolve_mesh("data=2,expert=4", model_config, train_config)   # None: one device
-    model = prepare_model(model, mesh)          # expert-parallel when expert > 1, checked
-    state = shard_state(init_state(model, train_config), mesh)
+    # built sharded; the model passes prepare_model (expert-parallel when expert > 1, checked)
+    state = init_sharded_state(lambda: DeepSeekV3(model_config, key=key), train_config, mesh)
     state, metrics = sharded_train_step(mesh, state, sharding.shard_batch(tokens, mesh))
 
 The step is `dropless.train.step.step.train_step` run through `sharded_value_and_grad`: each
@@ -13,8 +13,10 @@ expert, so the step equals the single-device one. Exception: the batch-wise bala
 (`balance_loss_coef`) becomes the mean of per-device losses (see docs/distributed.md).
 
 Every array of the state lives on the mesh: parameters and Adam moments as
-`sharding.param_specs` / `opt_state_specs` say, the rest replicated. Checkpoints save those
-arrays as they are; a resumed run restores into the shardings of its freshly placed state.
+`sharding.param_specs` / `opt_state_specs` say, the rest replicated. A fresh state is made
+there, each device computing only its shards (`init_sharded_state`); checkpoints save those
+arrays as they are, and a resumed run reads each process's shards into the shardings of the
+abstract state (`abstract_sharded_state`).
 """
 
 import math
@@ -29,20 +31,24 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, PyTree
 
 from dropless import sharding
-from dropless.backends import with_backend
+from dropless.backends import Backend, with_backend
 from dropless.backends.ep import ep_backend
-from dropless.dispatch import AbstractExpertParallelDispatcher
+from dropless.dispatch import AbstractExpertParallelDispatcher, AbstractRowWeightsDispatcher
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     DeepSeekV3Config,
 )
-from dropless.moe import MoEStats, with_loads
+from dropless.models.deepseek_v3.block import DecoderBlock
+from dropless.models.deepseek_v3.layers import gathering_layers
+from dropless.models.deepseek_v3.mtp import MTPModule
+from dropless.moe import MoE, MoEStats, with_loads
 from dropless.train.config import TrainConfig
 from dropless.train.step import optim
 from dropless.train.step.accumulate import accumulated
 from dropless.train.step.step import (
     TrainState,
     apply_gradients,
+    init_state,
     loads_only,
     stats_metrics,
     weighted_loss,
@@ -94,35 +100,102 @@ def resolve_mesh(
 def prepare_model(model: DeepSeekV3, mesh: Mesh) -> DeepSeekV3:
     """`model` ready for `mesh`, checked by `sharding.check_expert_parallel` (not yet placed:
     see `shard_state`). When the expert axis is > 1, a model whose dispatchers cannot move
-    tokens between devices gets the "ep" backend; an expert-parallel one (`nccl_ep`, an
-    `ep_backend(recv_factor=...)`) keeps its own."""
+    tokens between devices gets the "ep" backend's dispatcher and keeps its other stages (its
+    grouped matmul and top-k); an expert-parallel dispatcher (`nccl_ep`, an
+    `ep_backend(recv_factor=...)`) stays as it is. Raises ValueError when an MoE layer cannot
+    run with that dispatcher (`weights_before_down` needs row weights it does not give)."""
     exchanging = all(
         isinstance(d, AbstractExpertParallelDispatcher) for d in sharding.dispatchers(model)
     )
     if mesh.shape["expert"] > 1 and not exchanging:
-        model = with_backend(model, ep_backend())
+        dispatcher = ep_backend().dispatcher
+        for moe in _moe_layers(model):
+            if moe.weights_before_down and not isinstance(dispatcher, AbstractRowWeightsDispatcher):
+                raise ValueError(
+                    f"DeepSeekV3Config.moe_weights_before_down needs a dispatcher with row "
+                    f"weights, and expert parallelism (expert={mesh.shape['expert']}) runs "
+                    f"{type(dispatcher).__name__}, which has none: set it to false"
+                )
+        model = with_backend(model, Backend(dispatcher=dispatcher))
     sharding.check_expert_parallel(model, mesh)
     return model
 
 
+def _moe_layers(model) -> list[MoE]:
+    nodes = jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, MoE))
+    return [n for n in nodes if isinstance(n, MoE)]
+
+
+def stages(model) -> dict[str, str]:
+    """What runs in `model`'s MoE layers: the class name of each stage (dispatcher, gmm,
+    topk), as config.yaml records it; empty without MoE layers."""
+    layers = _moe_layers(model)
+    if not layers:
+        return {}
+    moe = layers[0]
+    return {
+        "dispatcher": type(moe.dispatcher).__name__,
+        "gmm": type(moe.experts.gmm).__name__,
+        "topk": type(moe.router.topk).__name__,
+    }
+
+
 def state_shardings(state: TrainState, mesh: Mesh) -> PyTree:
     """A `NamedSharding` for every array of `state` (None elsewhere): the model's arrays per
-    `sharding.param_specs`, the optimiser's moments like their parameters, the rest replicated."""
-    model_arrays = eqx.filter(state.model, eqx.is_array)
+    `sharding.param_specs`, the optimiser's moments like their parameters, the rest replicated.
+    `state` may be abstract (`jax.ShapeDtypeStruct` leaves, from `eqx.filter_eval_shape`)."""
+    model_arrays = eqx.filter(state.model, sharding.is_array_like)
     model_specs = sharding.param_specs(model_arrays, mesh)
     params = eqx.filter(state.model, optim.trainable_filter(state.model))
     param_specs = sharding.param_specs(params, mesh)
     opt_specs = sharding.opt_state_specs(state.opt_state, params, param_specs)
-    parts = (model_specs, opt_specs, P(), P(), {name: P() for name in state.hparams})
+    master_specs = sharding.param_specs(state.master, mesh) if state.master is not None else None
+    parts = (model_specs, opt_specs, P(), P(), {name: P() for name in state.hparams}, master_specs)
     leaves = [NamedSharding(mesh, spec) for part in parts for spec in jax.tree.leaves(part)]
     # unflatten, not TrainState(...): the fields hold shardings, not arrays
-    return jax.tree.unflatten(jax.tree.structure(eqx.filter(state, eqx.is_array)), leaves)
+    return jax.tree.unflatten(jax.tree.structure(eqx.filter(state, sharding.is_array_like)), leaves)
 
 
 def shard_state(state: TrainState, mesh: Mesh) -> TrainState:
     """`state` with every array placed on `mesh` (`state_shardings`)."""
     arrays, static = eqx.partition(state, eqx.is_array)
     return eqx.combine(jax.device_put(arrays, state_shardings(arrays, mesh)), static)
+
+
+def abstract_sharded_state(
+    make_model: Callable[[], DeepSeekV3], train_config: TrainConfig, mesh: Mesh
+) -> TrainState:
+    """The state `init_sharded_state` makes, as `jax.ShapeDtypeStruct`s carrying their
+    shardings: nothing allocated (what a resumed run restores into)."""
+    abstract = eqx.filter_eval_shape(
+        lambda: init_state(prepare_model(make_model(), mesh), train_config)
+    )
+    arrays, static = eqx.partition(abstract, sharding.is_array_like)
+    placed = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        arrays,
+        state_shardings(arrays, mesh),
+    )
+    return eqx.combine(placed, static)
+
+
+def init_sharded_state(
+    make_model: Callable[[], DeepSeekV3], train_config: TrainConfig, mesh: Mesh
+) -> TrainState:
+    """`shard_state(init_state(prepare_model(make_model(), mesh), train_config), mesh)`, made
+    without the whole state on any device: the model is built and the optimiser initialised
+    under `jax.jit` whose outputs are sharded as `state_shardings` says, so each device
+    computes and holds only its shards (at 671B the whole float32 model is 2.7 TB)."""
+    arrays, static = eqx.partition(
+        abstract_sharded_state(make_model, train_config, mesh), sharding.is_array_like
+    )
+
+    def build():
+        state = init_state(prepare_model(make_model(), mesh), train_config)
+        return eqx.filter(state, eqx.is_array)
+
+    out_shardings = jax.tree.map(lambda a: a.sharding, arrays)
+    return eqx.combine(jax.jit(build, out_shardings=out_shardings)(), static)
 
 
 def _sum_unsharded(grads: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
@@ -139,6 +212,47 @@ def _sum_unsharded(grads: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
         return jax.lax.psum(g, axes) if axes else g
 
     return jax.tree.map(reduce, grads, specs, is_leaf=lambda n: n is None)
+
+
+def _is_stack(node) -> bool:
+    return isinstance(node, (DecoderBlock, MTPModule))
+
+
+def _per_layer_spec(spec: P | None) -> P | None:
+    if spec is None:
+        return None
+    if spec and spec[0] is not None:
+        raise ValueError(
+            f"a layer stack's array is sharded over its layer axis ({spec}); the layers are "
+            "gathered one at a time, so raise fsdp_min_size or give the layers another shape"
+        )
+    return P(*spec[1:])
+
+
+def layer_gathering(specs: PyTree) -> tuple[PyTree, Callable[[PyTree], PyTree]]:
+    """How a model's FSDP-sharded arrays become whole inside `jax.shard_map`, one layer at a
+    time: (the specs of what `sharding.gather_fsdp` gathers before the model runs: every array
+    outside the scanned layer stacks; the per-layer gather for `gathering_layers`, which finds
+    a layer's specs by its tree structure). `specs` is `sharding.fsdp_specs` of the model."""
+    per_layer: dict[Any, PyTree] = {}
+    for stack in jax.tree.leaves(specs, is_leaf=_is_stack):
+        if not _is_stack(stack):
+            continue
+        layer = jax.tree.map(_per_layer_spec, stack)
+        key = jax.tree.structure(stack)
+        if key in per_layer and jax.tree.leaves(per_layer[key]) != jax.tree.leaves(layer):
+            raise ValueError("two layer stacks of one structure are sharded differently")
+        per_layer[key] = layer
+    top = jax.tree.map(
+        lambda n: jax.tree.map(lambda _: None, n) if _is_stack(n) else n,
+        specs,
+        is_leaf=lambda n: n is None or _is_stack(n),
+    )
+
+    def gather(layer_arrays):
+        return sharding.gather_fsdp(layer_arrays, per_layer[jax.tree.structure(layer_arrays)])
+
+    return top, gather
 
 
 def sharded_value_and_grad(
@@ -159,6 +273,11 @@ def sharded_value_and_grad(
     selects (a callable on leaves, or a tree of bools like `optim.trainable_filter` returns), as
     global arrays sharded like the parameters. Raises if the model cannot run on `mesh`
     (`sharding.check_expert_parallel`).
+
+    FSDP-sharded arrays are all-gathered where they are used: those of the scanned layer stacks
+    (`DecoderBlock`, `MTPModule`) one layer at a time inside the loop, in the compute dtype, and
+    gathered again in the backward loop (`layer_gathering`); the rest before `loss_fn` runs.
+    Their gradients are reduce-scattered by the gathers' transposes.
     """
     axes = sharding.batch_axes(mesh)
     shards = math.prod(mesh.shape[a] for a in axes)
@@ -169,13 +288,21 @@ def sharded_value_and_grad(
         rest, static = eqx.partition(rest, eqx.is_array)
         diff_specs = sharding.param_specs(diff, mesh, fsdp_min_size=fsdp_min_size)
         rest_specs = sharding.param_specs(rest, mesh, fsdp_min_size=fsdp_min_size)
+        diff_gathers = sharding.fsdp_specs(diff, mesh, fsdp_min_size=fsdp_min_size)
+        rest_gathers = sharding.fsdp_specs(rest, mesh, fsdp_min_size=fsdp_min_size)
+        top_gathers, gather_layer = layer_gathering(eqx.combine(diff_gathers, rest_gathers))
+        top_diff = _like(diff_gathers, top_gathers)
+        top_rest = _like(rest_gathers, top_gathers)
 
         def local(diff, rest, batch):
-            rest_full = sharding.gather_fsdp(rest, rest_specs)
-
             def scaled(diff):
-                model = eqx.combine(sharding.gather_fsdp(diff, diff_specs), rest_full, static)
-                out = loss_fn(model, batch)
+                model = eqx.combine(
+                    sharding.gather_fsdp(diff, top_diff),
+                    sharding.gather_fsdp(rest, top_rest),
+                    static,
+                )
+                with gathering_layers(gather_layer):
+                    out = loss_fn(model, batch)
                 loss, aux = out if has_aux else (out, None)
                 return loss / shards, (loss, aux)
 
@@ -196,6 +323,13 @@ def sharded_value_and_grad(
         return ((loss, aux) if has_aux else loss), grads
 
     return fn
+
+
+def _like(part: PyTree, top: PyTree) -> PyTree:
+    """`top`'s specs where `part` has one (None elsewhere)."""
+    return jax.tree.map(
+        lambda p, t: None if p is None else t, part, top, is_leaf=lambda n: n is None
+    )
 
 
 def _constrain(state: TrainState, mesh: Mesh) -> TrainState:
@@ -252,7 +386,7 @@ def sharded_train_step(
     value_and_grad = sharded_value_and_grad(
         _local_loss(mesh, loads), mesh, has_aux=True, diff_filter=(trainable, frozen_weights)
     )
-    value_and_grad = accumulated(value_and_grad, micro_batches)
+    value_and_grad = accumulated(value_and_grad, micro_batches, grad_dtype=state.grad_accum_dtype)
     (loss, (terms, stats)), (grads, _) = value_and_grad((state.model, state.hparams), tokens)
     loads = loads_only(jax.lax.stop_gradient(stats))
     new_state, metrics = apply_gradients(state, grads, loads, loss, terms)
@@ -272,15 +406,17 @@ def sharded_eval_step(
     axes = sharding.batch_axes(mesh)
     arrays, static = eqx.partition(model, eqx.is_array)
     specs = sharding.param_specs(arrays, mesh)
+    top_gathers, gather_layer = layer_gathering(sharding.fsdp_specs(arrays, mesh))
     loss_fn = _local_loss(mesh)
 
     def without_gradient(model_and_weights, tokens):
         return loss_fn(model_and_weights, tokens), None
 
     def local(arrays, weights, tokens):
-        model = eqx.combine(sharding.gather_fsdp(arrays, specs), static)
+        model = eqx.combine(sharding.gather_fsdp(arrays, top_gathers), static)
         run = accumulated(without_gradient, micro_batches)
-        (loss, (terms, stats)), _ = run((model, weights), tokens)
+        with gathering_layers(gather_layer):
+            (loss, (terms, stats)), _ = run((model, weights), tokens)
         out = {"loss": loss, **terms}
         if axes:
             out = jax.tree.map(lambda a: jax.lax.pmean(a, axes), out)

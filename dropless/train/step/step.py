@@ -56,13 +56,20 @@ HPARAM_FIELDS = (
 
 
 class TrainState(eqx.Module):
-    """Everything a training run carries from step to step (and checkpoints)."""
+    """Everything a training run carries from step to step (and checkpoints).
+
+    With `TrainConfig.weight_dtype` below float32, `model` holds its trainable arrays in that
+    dtype (what the forward and backward read; the gradients come in it too) and `master` the
+    float32 master weights, which the optimiser updates; each step's model weights are the
+    master weights rounded. `grad_accum_dtype` is `TrainConfig.grad_accum_dtype`."""
 
     model: DeepSeekV3
     opt_state: PyTree
     step: Int[Array, ""]  # optimiser steps done
     expert_load: Float[Array, "layers experts"]  # tokens per expert, summed over the run
     hparams: dict[str, Float[Array, ""]]  # HPARAM_FIELDS of the TrainConfig, as arrays
+    master: PyTree | None = None  # float32 trainable arrays, when the model's are narrower
+    grad_accum_dtype: str = eqx.field(default="float32", static=True)
 
 
 def hparams(config: TrainConfig) -> dict[str, Float[Array, ""]]:
@@ -85,8 +92,13 @@ def moe_layer_names(model: DeepSeekV3) -> list[str]:
 
 
 def init_state(model: DeepSeekV3, config: TrainConfig) -> TrainState:
-    """The state before step 0: the optimiser sees only the trainable arrays."""
-    params = eqx.filter(model, optim.trainable_filter(model))
+    """The state before step 0: the optimiser sees only the trainable arrays (the master
+    weights, when `config.weight_dtype` narrows the model's)."""
+    params, frozen = eqx.partition(model, optim.trainable_filter(model))
+    master = None
+    if config.weight_dtype != "float32":
+        master = params
+        model = eqx.combine(_cast(params, jnp.dtype(config.weight_dtype)), frozen)
     rows = len(moe_layer_names(model))
     return TrainState(
         model=model,
@@ -94,7 +106,17 @@ def init_state(model: DeepSeekV3, config: TrainConfig) -> TrainState:
         step=jnp.zeros((), jnp.int32),
         expert_load=jnp.zeros((rows, model.config.n_routed_experts), jnp.float32),
         hparams=hparams(config),
+        master=master,
+        grad_accum_dtype=config.grad_accum_dtype,
     )
+
+
+def _cast(tree: PyTree, dtype) -> PyTree:
+    return jax.tree.map(lambda a: a.astype(dtype), tree)
+
+
+def _cast_like(tree: PyTree, like: PyTree) -> PyTree:
+    return jax.tree.map(lambda a, b: a.astype(b.dtype), tree, like)
 
 
 def with_config(state: TrainState, config: TrainConfig) -> TrainState:
@@ -106,6 +128,8 @@ def with_config(state: TrainState, config: TrainConfig) -> TrainState:
         step=state.step,
         expert_load=state.expert_load,
         hparams=hparams(config),
+        master=state.master,
+        grad_accum_dtype=config.grad_accum_dtype,
     )
 
 
@@ -226,7 +250,11 @@ def train_step(
     def loss_fn(params, tokens):
         return weighted_loss(eqx.combine(params, frozen), tokens, state.hparams, loads)
 
-    value_and_grad = accumulated(eqx.filter_value_and_grad(loss_fn, has_aux=True), micro_batches)
+    value_and_grad = accumulated(
+        eqx.filter_value_and_grad(loss_fn, has_aux=True),
+        micro_batches,
+        grad_dtype=state.grad_accum_dtype,
+    )
     (loss, (terms, stats)), grads = value_and_grad(params, tokens)
     return apply_gradients(state, grads, loads_only(jax.lax.stop_gradient(stats)), loss, terms)
 
@@ -291,10 +319,15 @@ def apply_gradients(
     sharded step: the optimiser update, then (outside the gradient, and not an optimiser
     parameter) the expert-bias update from the loads in `out`, and the step's metrics."""
     params, frozen = eqx.partition(state.model, optim.trainable_filter(state.model))
+    weights, master = params, state.master
+    if master is not None:  # the optimiser updates the float32 master weights
+        params, grads = master, _cast_like(grads, master)
     lr = _learning_rate(state)
     opt_state = optim.with_learning_rate(state.opt_state, lr)
     updates, opt_state = optim.optimizer().update(grads, opt_state, params)
-    model = eqx.combine(apply_updates(params, updates), frozen)
+    new_params = apply_updates(params, updates)
+    model = eqx.combine(_cast_like(new_params, weights), frozen)
+    master = None if master is None else new_params
     # A rate of 0 leaves the bias exactly as it is.
     model = with_updated_expert_bias(model, out, state.hparams["bias_update_rate"])
     stats = stats_metrics(out)
@@ -304,6 +337,8 @@ def apply_gradients(
         step=state.step + 1,
         expert_load=state.expert_load + stats["tokens_per_expert"],
         hparams=state.hparams,
+        master=master,
+        grad_accum_dtype=state.grad_accum_dtype,
     )
     metrics = {
         "loss": loss,

@@ -320,6 +320,14 @@ def test_a_warmup_longer_than_the_run_warns(config):
         setup.validate(TINY, config(steps=20, warmup_steps=20))  # reaches lr at the last step
 
 
+def test_bf16_weights_need_float32_parameters(config):
+    bf16 = TINY.replace(param_dtype="bfloat16")
+    with pytest.raises(ValueError, match="param_dtype must be 'float32'"):
+        setup.validate(bf16, config(weight_dtype="bfloat16"))
+    setup.validate(bf16, config())
+    setup.validate(TINY, config(weight_dtype="bfloat16"))
+
+
 def test_bad_settings_are_clear_errors(tmp_path, config):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         train(TINY, config(seq_len=1024), backend="jnp", out_dir=str(tmp_path / "a"))

@@ -13,6 +13,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from dropless import cli
 from dropless.models.deepseek_v3 import get_preset
@@ -119,8 +120,16 @@ def test_cli_mesh_smoke_run(tmp_path, capsys):
         "--out-dir", str(out),
     ]  # fmt: skip
     assert cli.main(args) == 0
-    assert "mesh data=2,expert=4" in capsys.readouterr().out
+    first = capsys.readouterr().out.splitlines()[0]
+    # what runs: the backend's stages, with the 'ep' dispatcher on the expert axis
+    assert "backend auto (jnp) with the 'ep' dispatcher, mesh data=2,expert=4" in first
     records = read_jsonl(str(out / "metrics.jsonl"))
     assert [r["step"] for r in records if r["split"] == "train"] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in records)
-    assert "mesh: data=2,expert=4" in (out / "config.yaml").read_text()
+    written = yaml.safe_load((out / "config.yaml").read_text())
+    assert written["train"]["mesh"] == "data=2,expert=4"
+    assert written["stages"] == {
+        "dispatcher": "AllToAllDispatcher",
+        "gmm": "ChunkedGroupedMatmul",
+        "topk": "JnpTopK",
+    }

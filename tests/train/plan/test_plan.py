@@ -275,7 +275,7 @@ def test_weight_copies_are_not_activations():
 def test_layer_gathers_never_exceed_step_gathers():
     for layers in (2, 8):
         config = get_preset("tiny", num_hidden_layers=layers)
-        step = plan(config, "fsdp=8", BATCH, SEQ)
+        step = plan(config, "fsdp=8", BATCH, SEQ, fsdp_gather="step")
         layer = plan(config, "fsdp=8", BATCH, SEQ, fsdp_gather="layer")
         assert layer.fsdp_gathered <= step.fsdp_gathered and layer.total <= step.total
     assert layer.fsdp_gathered < step.fsdp_gathered  # 8 layers: two in flight, not all

@@ -129,3 +129,25 @@ def test_eval_step_in_micro_batches_matches_one_pass():
     for name in ("loss", "ce", "mtp", "seq_balance_loss", "z_loss", "max_vio"):
         np.testing.assert_allclose(two[name], one[name], rtol=1e-5, err_msg=name)
     np.testing.assert_array_equal(two["tokens_per_expert"], one["tokens_per_expert"])
+
+
+@pytest.mark.slow
+def test_gradients_sum_in_grad_accum_dtype(one_pass):
+    """`grad_dtype="bfloat16"`: the scan over micro-batches carries the gradient sum in bf16
+    (float32 by default); the mean comes back in the gradients' dtype, within bf16 rounding of
+    the one-pass gradient."""
+    value_and_grad, params, batch, (_, grads) = one_pass
+
+    def carried_dtypes(grad_dtype):
+        run = accumulated(value_and_grad, 2, grad_dtype=grad_dtype)
+        jaxpr = jax.make_jaxpr(run)(params, batch)
+        (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+        return {v.aval.dtype for v in scan.outvars}
+
+    assert jnp.dtype(jnp.bfloat16) not in carried_dtypes("float32")
+    assert jnp.dtype(jnp.bfloat16) in carried_dtypes("bfloat16")
+    run = eqx.filter_jit(accumulated(value_and_grad, 2, grad_dtype="bfloat16"))
+    _, m_grads = run(params, batch)
+    for g, m in zip(jax.tree.leaves(grads), jax.tree.leaves(m_grads), strict=True):
+        assert m.dtype == g.dtype
+        np.testing.assert_allclose(m, g, rtol=0, atol=2**-7 * float(jnp.abs(g).max()) + 1e-9)

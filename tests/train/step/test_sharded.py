@@ -3,6 +3,8 @@
 kind of mesh axis at once), and `sharded_train_step` itself against `train_step` (8 emulated
 CPU devices, from tests/conftest.py). The whole loop on a mesh: tests/train/loop/test_mesh.py."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ from dropless.moe import MoE
 from dropless.precision import apply_updates
 from dropless.routing import RoutingSpec
 from dropless.train.config import TrainConfig
+from dropless.train.step import sharded
 from dropless.train.step.sharded import (
     prepare_model,
     shard_state,
@@ -220,8 +223,9 @@ def test_sharded_train_step_equals_train_step():
 
 
 def test_prepare_model_keeps_an_expert_parallel_backend_and_replaces_others():
-    """On an expert axis > 1 a single-device dispatcher gives way to the "ep" backend, while an
-    expert-parallel one, with its own settings, stays as given."""
+    """On an expert axis > 1 a single-device dispatcher gives way to the "ep" backend's, the
+    other stages (grouped matmul, top-k) staying the user's; an expert-parallel dispatcher,
+    with its own settings, stays as given."""
     config = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
     mesh = sharding.make_mesh(data=4, expert=2)
 
@@ -230,8 +234,19 @@ def test_prepare_model_keeps_an_expert_parallel_backend_and_replaces_others():
 
     own = DeepSeekV3(config, backend=ep_backend(recv_factor=3.0), key=jax.random.key(0))
     assert dispatcher(prepare_model(own, mesh)) == dispatcher(own)
-    plain = prepare_model(DeepSeekV3(config, key=jax.random.key(0)), mesh)
+    capacity = DeepSeekV3(config, backend=get_backend("jnp-capacity"), key=jax.random.key(0))
+    plain = prepare_model(capacity, mesh)
     assert dispatcher(plain) == ep_backend().dispatcher
+    assert sharded.stages(plain) == {
+        "dispatcher": "AllToAllDispatcher",
+        "gmm": "CapacityGroupedMatmul",  # the user's, not the "ep" bundle's ChunkedGroupedMatmul
+        "topk": "JnpTopK",
+    }
+    before_down = get_preset(
+        "tiny", num_hidden_layers=2, num_nextn_predict_layers=0, moe_weights_before_down=True
+    )
+    with pytest.raises(ValueError, match="moe_weights_before_down needs a dispatcher with row"):
+        prepare_model(DeepSeekV3(before_down, key=jax.random.key(0)), mesh)
     # expert=1: nothing to exchange, the model's own backend stays
     single = DeepSeekV3(config, key=jax.random.key(0))
     assert dispatcher(prepare_model(single, sharding.make_mesh(data=8))) == dispatcher(single)
@@ -272,3 +287,117 @@ def test_global_balance_loss_on_a_mesh_is_the_single_device_loss_of_the_whole_ba
     got = state.model.moe_layers.mlp.router.w_router
     want = ref.model.moe_layers.mlp.router.w_router
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_fresh_state_is_made_sharded():
+    """`init_sharded_state`: every array of a fresh state (bf16 weights with float32 master
+    weights, so that every part is there) is placed on the mesh as `state_shardings` says, the
+    moments like their parameters; the compiled initialisation writes each device's shards and
+    no more; the values are the unsharded `init_state`'s."""
+    config = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0, hidden_size=256)
+    train_config = TrainConfig(weight_dtype="bfloat16")
+    mesh = sharding.make_mesh(fsdp=4, expert=2)
+
+    def make():
+        return DeepSeekV3(config, key=jax.random.key(0))
+
+    state = sharded.init_sharded_state(make, train_config, mesh)
+    arrays = eqx.filter(state, eqx.is_array)
+    wanted = sharded.state_shardings(arrays, mesh)
+    for leaf, sharding_ in zip(jax.tree.leaves(arrays), jax.tree.leaves(wanted), strict=True):
+        assert leaf.sharding == sharding_
+    assert state.model.embed_tokens.dtype == jnp.bfloat16
+    assert state.master.embed_tokens.dtype == jnp.float32
+    assert state.master.embed_tokens.sharding.spec == P(("fsdp", "expert"), None)
+    moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.shape == (512, 256)]
+    assert len(moments) == 2  # the embedding's two Adam moments
+    assert all(m.sharding.spec == P(("fsdp", "expert"), None) for m in moments)
+
+    abstract = sharded.abstract_sharded_state(make, train_config, mesh)
+    placed, _ = eqx.partition(abstract, sharding.is_array_like)
+
+    def build():
+        fresh = init_state(prepare_model(make(), mesh), train_config)
+        return eqx.filter(fresh, eqx.is_array)
+
+    out_shardings = jax.tree.map(lambda a: a.sharding, placed)
+    memory = jax.jit(build, out_shardings=out_shardings).lower().compile().memory_analysis()
+    device = jax.devices()[0]
+    shards = [s for a in jax.tree.leaves(arrays) for s in a.addressable_shards]
+    per_device = sum(s.data.nbytes for s in shards if s.device == device)
+    whole = sum(a.nbytes for a in jax.tree.leaves(arrays))
+    assert per_device < whole / 2  # the sharded arrays are most of the state
+    assert abs(memory.output_size_in_bytes - per_device) <= 0.01 * per_device
+    assert memory.output_size_in_bytes + memory.temp_size_in_bytes < whole / 2
+
+    # eager on one device: equal up to rounding that XLA fuses differently (which can tip a
+    # bf16 weight by one bf16 ulp)
+    ref = eqx.filter(init_state(make(), train_config), eqx.is_array)
+    for a, b in zip(jax.tree.leaves(arrays), jax.tree.leaves(ref), strict=True):
+        rtol = 1e-6 if a.dtype != jnp.bfloat16 else 2**-7
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol, 1e-7)
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    out, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            name, lines = head.group(1), []
+        elif line.startswith("}") and name is not None:
+            out[name], name = "\n".join(lines), None
+        elif name is not None:
+            lines.append(line)
+    return out
+
+
+def _all_gathers(hlo: str) -> tuple[list[str], list[str]]:
+    """The output shapes of the all-gathers of a compiled program's HLO text: (those inside a
+    while loop's body, those elsewhere)."""
+    comps = _computations(hlo)
+    callee = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)")
+    roots = [m.group(1) for t in comps.values() for m in re.finditer(r"body=%?([\w.\-]+)", t)]
+    inside, todo = set(), roots
+    while todo:
+        c = todo.pop()
+        if c in inside or c not in comps:
+            continue
+        inside.add(c)
+        for match in callee.finditer(comps[c]):
+            todo += [n.strip(" %") for n in match.group(1).split(",")]
+    # one array, or a tuple of them where XLA combined several gathers into one
+    gather = re.compile(r"= (\([^=]*\)|\S+) all-gather(?:-start)?\(")
+    array = re.compile(r"\w+\[[\d,]*\]")
+
+    def shapes(names):
+        found = [m.group(1) for n in names for m in gather.finditer(comps[n])]
+        return [shape for text in found for shape in array.findall(text)]
+
+    return shapes(inside), shapes(set(comps) - inside)
+
+
+@pytest.mark.slow
+def test_sharded_step_gathers_one_layer_at_a_time():
+    """In the compiled sharded step the layers' FSDP all-gathers sit inside the layer loops
+    (main stack and MTP; forward and backward), and the only ones outside gather arrays that
+    are no layer's (the embedding, the head)."""
+    # every stack two layers or more: XLA removes a loop of one trip
+    config = get_preset(
+        "tiny",
+        num_hidden_layers=3,
+        first_k_dense_replace=0,
+        num_nextn_predict_layers=2,
+        hidden_size=256,
+    )
+    mesh = sharding.make_mesh(fsdp=8)
+    train_config = TrainConfig(batch_size=8, seq_len=8)
+    state = sharded.init_sharded_state(
+        lambda: DeepSeekV3(config, key=jax.random.key(0)), train_config, mesh
+    )
+    tokens = sharding.shard_batch(jnp.zeros((8, 9), jnp.int32), mesh)
+    hlo = sharded_train_step.lower(mesh, state, tokens).compile().compiled.as_text()
+    inside, outside = _all_gathers(hlo)
+    # per layer: the experts' gate, up (and down) weights, whole in their fsdp dimension
+    assert {"f32[16,256,64]", "f32[16,64,256]"} <= set(inside), inside
+    top_level = {"f32[512,256]", "f32[256,512]"}  # embed_tokens, lm_head
+    assert outside and set(outside) <= top_level, outside

@@ -233,3 +233,35 @@ def test_zero_computation_experts_train_and_their_biases_follow_their_target():
     loads = jnp.concatenate([stats.tokens_per_expert, stats.zero_tokens], -1)
     want = SignBiasUpdate()(moe.router.expert_bias, loads, 0.01, moe.bias_target(loads))
     np.testing.assert_allclose(bias, want, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_bf16_weights_keep_float32_master_weights():
+    """`weight_dtype="bfloat16"`: the model holds its trainable arrays in bf16 (the expert bias
+    stays float32), the state the float32 master weights, which take the optimiser's update;
+    the new weights are the master weights rounded. At lr 1e-4 Adam's first step moves a
+    weight by about 1e-4, below half a bf16 ulp for |w| >= 2**-5: bf16 weights alone would
+    lose those moves, the master weights keep them."""
+    config = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
+    model = DeepSeekV3(config, key=jax.random.key(0))
+    train_config = TrainConfig(warmup_steps=0, lr=1e-4, weight_decay=0.0, weight_dtype="bfloat16")
+    state = init_state(model, train_config)
+    assert state.model.embed_tokens.dtype == jnp.bfloat16
+    assert state.model.moe_layers.mlp.router.expert_bias.dtype == jnp.float32
+    np.testing.assert_array_equal(state.master.embed_tokens, model.embed_tokens)
+    assert init_state(model, TrainConfig()).master is None
+    before = np.asarray(state.master.embed_tokens)
+    weights_before = np.asarray(state.model.embed_tokens.astype(jnp.float32))
+
+    new, _ = train_step(state, tokens())
+    master = np.asarray(new.master.embed_tokens)
+    assert master.dtype == np.float32
+    np.testing.assert_array_equal(
+        new.model.embed_tokens, new.master.embed_tokens.astype(jnp.bfloat16)
+    )
+    moved = np.abs(master - before)
+    assert np.isclose(moved.max(), 1e-4, rtol=1e-2)  # Adam's first step: lr x sign(grad)
+    lost = (moved > 0.5e-4) & (
+        np.asarray(new.model.embed_tokens.astype(jnp.float32)) == weights_before
+    )
+    assert lost.sum() > 0  # moves a bf16 weight alone rounds away
