@@ -33,6 +33,9 @@ class RoutingSpec:
       `routed_scaling_factor` (the scaling applies either way, as in DeepSeek-V3).
     - `softmax_before_topk`: for softmax scoring, pick top-k of the softmax (DeepSeek) or
       softmax over the top-k logits (Mixtral); the latter always sums to one.
+    - `router_bias`: the router is a linear layer with a learnt bias (gpt-oss): unlike
+      `use_expert_bias` it is part of the logits, so of the selection, the weights and the
+      gradient.
     """
 
     n_routed_experts: int
@@ -45,6 +48,7 @@ class RoutingSpec:
     routed_scaling_factor: float = 1.0
     use_expert_bias: bool = False
     softmax_before_topk: bool = True
+    router_bias: bool = False
 
     def __post_init__(self):
         wrong_type = field_type_error(self)
@@ -219,13 +223,15 @@ def _limit_to_top_groups(
 
 
 class TopKRouter(eqx.Module):
-    """Linear router over `experts`, with an optional selection-only `expert_bias`.
+    """Linear router over `experts` (with a bias `b_router` under `spec.router_bias`), with an
+    optional selection-only `expert_bias`.
 
     Logits are computed in float32 whatever the input dtype (routing is precision-sensitive).
     The bias is updated outside the gradient by `dropless.balance.update_expert_bias`.
     """
 
     w_router: Float[Array, "experts dim"]
+    b_router: Float[Array, " experts"] | None
     expert_bias: Float[Array, " experts"] | None
     spec: RoutingSpec = eqx.field(static=True)
     topk: AbstractTopK = JnpTopK()
@@ -242,6 +248,9 @@ class TopKRouter(eqx.Module):
         self.spec = spec
         std = dim**-0.5
         self.w_router = (std * jax.random.normal(key, (spec.n_routed_experts, dim))).astype(dtype)
+        self.b_router = (
+            jnp.zeros((spec.n_routed_experts,), jnp.float32) if spec.router_bias else None
+        )
         self.expert_bias = (
             jnp.zeros((spec.n_routed_experts,), jnp.float32) if spec.use_expert_bias else None
         )
@@ -255,4 +264,6 @@ class TopKRouter(eqx.Module):
             )
         with jax.named_scope("route"):
             logits = x.astype(jnp.float32) @ self.w_router.astype(jnp.float32).T
+            if self.b_router is not None:
+                logits = logits + self.b_router.astype(jnp.float32)
             return self.topk(logits, self.expert_bias, self.spec)

@@ -2,6 +2,7 @@
 
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -270,3 +271,20 @@ def test_wrong_shapes_are_rejected(unchecked):
         unchecked(TopKRouter.__call__)(router, jnp.zeros((2, 4, 16)))
     with pytest.raises(ValueError, match="n_routed_experts"):
         JnpTopK()(jnp.zeros((4, 6)), None, spec)
+
+
+def test_router_bias_is_part_of_the_logits():
+    """gpt-oss's router: logits = x W^T + b, so the bias moves selection and weights, and it
+    gets a gradient (unlike the selection-only expert bias)."""
+    spec = RoutingSpec(n_routed_experts=6, num_experts_per_tok=2, router_bias=True)
+    router = TopKRouter(8, spec, key=jax.random.key(0))
+    assert router.b_router.shape == (6,) and router.expert_bias is None
+    x = jax.random.normal(jax.random.key(1), (5, 8))
+    bias = jnp.array([0.0, 0.0, 0.0, 0.0, 0.0, 50.0])
+    biased = eqx.tree_at(lambda r: r.b_router, router, bias)
+    out = biased(x)
+    np.testing.assert_allclose(out.logits, x @ router.w_router.T + bias, rtol=1e-6, atol=1e-6)
+    assert bool((out.expert_ids[:, 0] == 5).all())  # the bias decides the first choice
+    grad = jax.grad(lambda r: r(x).weights[:, 1].sum())(biased)
+    assert float(jnp.abs(grad.b_router).sum()) > 0
+    assert TopKRouter(8, RoutingSpec(6, 2), key=jax.random.key(0)).b_router is None
