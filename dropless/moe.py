@@ -85,6 +85,9 @@ class MoE(eqx.Module):
     linear); the combine's backward then needs no expert outputs, so the step neither keeps nor
     reads them, and the weights' gradient comes from the hidden units instead. The dispatcher
     must give row weights (an `AbstractRowWeightsDispatcher`, such as `SortDispatcher`).
+
+    `experts_bias`, `swiglu_limit`, `swiglu_alpha`: the routed experts' biases and clamped SwiGLU
+    (gpt-oss; `GroupedExperts`).
     """
 
     router: TopKRouter
@@ -105,6 +108,9 @@ class MoE(eqx.Module):
         gmm: AbstractGroupedMatmul = ChunkedGroupedMatmul(),  # noqa: B008 (immutable)
         topk: AbstractTopK = JnpTopK(),  # noqa: B008 (immutable)
         weights_before_down: bool = False,
+        experts_bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
         key: PRNGKeyArray,
     ):
         for name, value, least in (
@@ -126,7 +132,15 @@ class MoE(eqx.Module):
         k_router, k_experts, k_shared = jax.random.split(key, 3)
         self.router = TopKRouter(dim, spec, dtype=dtype, topk=topk, key=k_router)
         self.experts = GroupedExperts(
-            spec.n_routed_experts, dim, moe_intermediate_size, gmm=gmm, dtype=dtype, key=k_experts
+            spec.n_routed_experts,
+            dim,
+            moe_intermediate_size,
+            gmm=gmm,
+            bias=experts_bias,
+            swiglu_limit=swiglu_limit,
+            swiglu_alpha=swiglu_alpha,
+            dtype=dtype,
+            key=k_experts,
         )
         self.shared = (
             SwiGLU(dim, moe_intermediate_size * n_shared_experts, dtype=dtype, key=k_shared)
@@ -137,6 +151,10 @@ class MoE(eqx.Module):
         self.weights_before_down = weights_before_down
         if weights_before_down:  # here as well as at the call: say so before any tracing
             require_row_weights(self.dispatcher)
+            if not self.experts.plain:
+                raise ValueError(
+                    "MoE: weights_before_down needs experts without biases or a clamped SwiGLU"
+                )
 
     def __call__(
         self,

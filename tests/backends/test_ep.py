@@ -416,3 +416,22 @@ def test_exchanges_on_gpus():
                 assert_close(y, y_ref)
                 assert_same_grads(g, g_ref)
                 assert float(st_.dropped) == 0.0
+
+
+def test_ep_matches_single_device_with_gpt_oss_experts():
+    """gpt-oss's MoE (a router bias, expert biases, the clamped SwiGLU): each device holds its
+    experts' biases with their weights, and the layer equals one device's."""
+    spec = RoutingSpec(E, K, router_bias=True)
+    moe = MoE(DIM, HIDDEN, spec, experts_bias=True, swiglu_limit=0.5, key=jax.random.key(3))
+    keys = jax.random.split(jax.random.key(4), 4)
+    ex = moe.experts
+    biases = (moe.router.b_router, ex.b_gate, ex.b_up, ex.b_down)
+    random = tuple(jax.random.normal(k, b.shape) for k, b in zip(keys, biases, strict=True))
+    where = lambda m: (m.router.b_router, m.experts.b_gate, m.experts.b_up, m.experts.b_down)  # noqa: E731
+    moe = eqx.tree_at(where, moe, random)
+    x, probe = inputs()
+    y_ref, st_ref, g_ref = value_and_grad(moe, x, probe)
+    y, st, g = value_and_grad(sharded(moe, ep_mesh(4)), x, probe)
+    assert_close(y, y_ref)
+    assert_same_grads(g, g_ref)
+    np.testing.assert_array_equal(st.tokens_per_expert, st_ref.tokens_per_expert)
