@@ -57,12 +57,19 @@ MODEL_HELP = {
     "logits_dtype": "What the vocabulary head writes: 'float32' or 'bfloat16' (the loss reduces "
     "in float32 either way).",
     "model_type": "Hugging Face family of the checkpoints: 'deepseek_v3', 'qwen3_moe', "
-    "'mixtral' or 'olmoe'.",
+    "'mixtral', 'olmoe' or 'gpt_oss'.",
     "num_key_value_heads": "GQA: key-value heads (None: one per query head).",
     "head_dim": "GQA: width of each head (None: hidden_size / num_attention_heads).",
     "sliding_window": "GQA: positions each query sees, itself included (None: all before it).",
+    "layer_types": "GQA: each layer's 'sliding_attention' (sliding_window) or 'full_attention' "
+    "(None: every layer uses sliding_window; gpt-oss).",
+    "attention_sinks": "GQA: a learnt sink logit per head in the softmax (gpt-oss).",
+    "router_bias": "The router's logits add a learnt bias (gpt-oss).",
+    "experts_bias": "The routed experts' gate, up and down projections add biases (gpt-oss).",
+    "swiglu_limit": "The experts' clamped SwiGLU's limit (None: the plain SwiGLU; gpt-oss).",
+    "swiglu_alpha": "The clamped SwiGLU's sigmoid gain (gpt-oss: 1.702).",
     "attention_type": "Attention: 'mla' (DeepSeek) or 'gqa' (grouped-query: Qwen3-MoE, Mixtral, "
-    "OLMoE).",
+    "OLMoE, gpt-oss).",
     "qk_norm": "GQA: RMS norm of queries and keys: 'none', 'head' (per head, Qwen3) or 'full' "
     "(whole projections, OLMoE).",
     "moe_weights_before_down": "Routing weights scale the experts' hidden units before the "

@@ -2,7 +2,7 @@
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from dropless.moe import MoE, MoEStats
 from dropless.nn.attention import GQA
@@ -26,12 +26,18 @@ class DecoderBlock(eqx.Module):
         self.mlp = mlp
 
     def __call__(
-        self, x: Float[Array, "batch seq dim"], *, return_routing: bool = False
+        self,
+        x: Float[Array, "batch seq dim"],
+        *,
+        window: Int[Array, ""] | None = None,
+        return_routing: bool = False,
     ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
         """The new residual stream, and the MoE statistics (None for a dense block; with the
-        routing, tokens flattened `batch * seq`, under `return_routing`)."""
+        routing, tokens flattened `batch * seq`, under `return_routing`). `window`: this
+        layer's attention window in place of the attention's own (GQA only)."""
         with jax.named_scope("attention"):
-            x = x + self.self_attn(self.input_layernorm(x))
+            h = self.input_layernorm(x)
+            x = x + (self.self_attn(h) if window is None else self.self_attn(h, window))
         with jax.named_scope("ffn"):
             h = self.post_attention_layernorm(x)
             if not isinstance(self.mlp, MoE):

@@ -6,11 +6,12 @@ compiles one dense block and one MoE block, or, with `unroll`, every layer inlin
 (`dropless.nn.unroll.unrolled_scan`).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from dropless.backends import Backend
@@ -72,6 +73,8 @@ def make_attention(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> MLA | GQA:
             c.gqa_head_dim,
             qk_norm=c.qk_norm,
             window=c.sliding_window,
+            bias=c.attention_bias,
+            sinks=c.attention_sinks,
             eps=c.rms_norm_eps,
             impl=c.attention_impl,
             dtype=dt,
@@ -112,6 +115,9 @@ def make_block(
             n_shared_experts=c.n_shared_experts,
             dtype=dt,
             weights_before_down=c.moe_weights_before_down,
+            experts_bias=c.experts_bias,
+            swiglu_limit=c.swiglu_limit,
+            swiglu_alpha=c.swiglu_alpha,
             key=k_mlp,
             **moe_strategies(backend),
         )
@@ -150,10 +156,12 @@ def scan_blocks(
     remat: str = "none",
     unroll: bool = False,
     *,
+    windows: Sequence[int] | None = None,
     return_routing: bool = False,
 ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
     """Applies the stacked blocks in order; MoE stats come back with a leading `layers` axis
-    (with each layer's routing under `return_routing`).
+    (with each layer's routing under `return_routing`). `windows`: each layer's attention
+    window (`DeepSeekV3Config.layer_windows`), scanned with the layers; None: their own.
     `unroll` emits every layer inline instead of a loop (`unrolled_scan`): per-layer residuals
     are then separate buffers rather than slices written into and read from stacks. The
     stacked matmul weights pass `matmul_weights_cast` first (see the comment below)."""
@@ -169,17 +177,20 @@ def scan_blocks(
     # and the stacks keep their own dtype.
     arrays = matmul_weights_cast(arrays, x.dtype if REMAT[remat] is None else None)
 
-    def body(h, layer_arrays):
-        return eqx.combine(layer_arrays, static)(h, return_routing=return_routing)
+    def body(h, xs):
+        layer_arrays, window = xs
+        block = eqx.combine(layer_arrays, static)
+        return block(h, window=window, return_routing=return_routing)
 
     if REMAT[remat] is not None:
         # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE.
         # Unrolled, the layers are straight-line code: without it XLA could merge the
         # recomputation with the forward, and remat would save nothing.
         body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=unroll)
+    xs = (arrays, None if windows is None else jnp.asarray(windows, jnp.int32))
     if unroll:
-        return unrolled_scan(body, x, arrays)
-    return jax.lax.scan(body, x, arrays)
+        return unrolled_scan(body, x, xs)
+    return jax.lax.scan(body, x, xs)
 
 
 def matmul_weights_cast(arrays: eqx.Module, dtype=None) -> eqx.Module:

@@ -162,11 +162,19 @@ class DeepSeekV3(eqx.Module):
         MoE stats): the fields of ModelOutput, or of ModelFeatures when `head` is the
         identity."""
         c = self.config
+        dense_windows, moe_windows = split_windows(c)
         with jax.named_scope("dense_layers"):
-            h, _ = scan_blocks(self.dense_layers, emb, c.remat, c.unroll_layers)
+            h, _ = scan_blocks(
+                self.dense_layers, emb, c.remat, c.unroll_layers, windows=dense_windows
+            )
         with jax.named_scope("moe_layers"):
             h, stats = scan_blocks(
-                self.moe_layers, h, c.remat, c.unroll_layers, return_routing=return_routing
+                self.moe_layers,
+                h,
+                c.remat,
+                c.unroll_layers,
+                windows=moe_windows,
+                return_routing=return_routing,
             )
         with jax.named_scope("head"):
             h = self.norm(h)
@@ -186,6 +194,17 @@ class DeepSeekV3(eqx.Module):
             empty if stats is None else stats,
             empty if mtp_stats is None else mtp_stats,
         )
+
+
+def split_windows(
+    config: DeepSeekV3Config,
+) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """The dense and the MoE layers' attention windows (`layer_windows`), or (None, None)."""
+    windows = config.layer_windows()
+    if windows is None:
+        return None, None
+    k = config.first_k_dense_replace
+    return windows[:k], windows[k:]
 
 
 def _empty_stats(config: DeepSeekV3Config, tokens: int, seq: int, return_routing: bool) -> MoEStats:
