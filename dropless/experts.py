@@ -110,18 +110,18 @@ class GroupedExperts(eqx.Module):
     """SwiGLU experts with weights in one canonical layout, whatever the strategy.
 
     gpt-oss's options: `bias` (each expert's gate, up and down projections add a bias:
-    `b_gate`, `b_up`, `b_down`) and `swiglu_limit` (the clamped SwiGLU, `clamped_swiglu`, with
-    `swiglu_alpha`). Either takes the unfused path whatever the strategy: one grouped matmul
-    for gate and up, the biases added outside it (each row reads its expert's), the
-    activation, the down projection. Without them the path is the plain SwiGLU's.
+    `gate_bias`, `up_bias`, `down_bias`) and `swiglu_limit` (the clamped SwiGLU,
+    `clamped_swiglu`, with `swiglu_alpha`). Either takes the unfused path whatever the
+    strategy: one grouped matmul for gate and up, the biases added outside it (each row reads
+    its expert's), the activation, the down projection. Without them the path is the plain SwiGLU's.
     """
 
     w_gate: Float[Array, "experts dim hidden"]
     w_up: Float[Array, "experts dim hidden"]
     w_down: Float[Array, "experts hidden dim"]
-    b_gate: Float[Array, "experts hidden"] | None
-    b_up: Float[Array, "experts hidden"] | None
-    b_down: Float[Array, "experts dim"] | None
+    gate_bias: Float[Array, "experts hidden"] | None
+    up_bias: Float[Array, "experts hidden"] | None
+    down_bias: Float[Array, "experts dim"] | None
     gmm: AbstractGroupedMatmul
     swiglu_limit: float | None = eqx.field(default=None, static=True)
     swiglu_alpha: float = eqx.field(default=1.702, static=True)
@@ -146,15 +146,15 @@ class GroupedExperts(eqx.Module):
         self.w_up = init_linear(k_up, (n_experts, dim, hidden), dim, dtype)
         self.w_down = init_linear(k_down, (n_experts, hidden, dim), hidden, dtype)
         zeros = (lambda *s: jnp.zeros(s, dtype)) if bias else (lambda *s: None)
-        self.b_gate, self.b_up = zeros(n_experts, hidden), zeros(n_experts, hidden)
-        self.b_down = zeros(n_experts, dim)
+        self.gate_bias, self.up_bias = zeros(n_experts, hidden), zeros(n_experts, hidden)
+        self.down_bias = zeros(n_experts, dim)
         self.gmm = gmm
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
 
     @property
     def plain(self) -> bool:
         """No biases and the plain SwiGLU: the path every strategy computes its own way."""
-        return self.b_down is None and self.swiglu_limit is None
+        return self.down_bias is None and self.swiglu_limit is None
 
     def __call__(
         self,
@@ -186,14 +186,14 @@ class GroupedExperts(eqx.Module):
         dt = rows.dtype
         gate_and_up = self.gmm(rows, gate_up(self.w_gate, self.w_up, dt), group_sizes)
         owner = None
-        if self.b_down is not None:  # rows past the groups read the last expert's: ignored
+        if self.down_bias is not None:  # rows past the groups read the last expert's: ignored
             owner = jnp.minimum(expert_of_row(group_sizes, rows.shape[0]), group_sizes.shape[0] - 1)
-            gate_and_up = gate_and_up + jnp.concatenate([self.b_gate, self.b_up], -1)[owner].astype(
-                dt
-            )
+            gate_and_up = gate_and_up + jnp.concatenate([self.gate_bias, self.up_bias], -1)[
+                owner
+            ].astype(dt)
         if self.swiglu_limit is None:
             hidden = swiglu(gate_and_up)
         else:
             hidden = clamped_swiglu(gate_and_up, self.swiglu_alpha, self.swiglu_limit)
         out = self.gmm(hidden, self.w_down.astype(dt), group_sizes)
-        return out if owner is None else out + self.b_down[owner].astype(dt)
+        return out if owner is None else out + self.down_bias[owner].astype(dt)

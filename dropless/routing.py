@@ -223,7 +223,7 @@ def _limit_to_top_groups(
 
 
 class TopKRouter(eqx.Module):
-    """Linear router over `experts` (with a bias `b_router` under `spec.router_bias`), with an
+    """Linear router over `experts` (with a bias `logit_bias` under `spec.router_bias`), with an
     optional selection-only `expert_bias`.
 
     Logits are computed in float32 whatever the input dtype (routing is precision-sensitive).
@@ -231,7 +231,7 @@ class TopKRouter(eqx.Module):
     """
 
     w_router: Float[Array, "experts dim"]
-    b_router: Float[Array, " experts"] | None
+    logit_bias: Float[Array, " experts"] | None
     expert_bias: Float[Array, " experts"] | None
     spec: RoutingSpec = eqx.field(static=True)
     topk: AbstractTopK = JnpTopK()
@@ -248,7 +248,7 @@ class TopKRouter(eqx.Module):
         self.spec = spec
         std = dim**-0.5
         self.w_router = (std * jax.random.normal(key, (spec.n_routed_experts, dim))).astype(dtype)
-        self.b_router = (
+        self.logit_bias = (
             jnp.zeros((spec.n_routed_experts,), jnp.float32) if spec.router_bias else None
         )
         self.expert_bias = (
@@ -264,6 +264,6 @@ class TopKRouter(eqx.Module):
             )
         with jax.named_scope("route"):
             logits = x.astype(jnp.float32) @ self.w_router.astype(jnp.float32).T
-            if self.b_router is not None:
-                logits = logits + self.b_router.astype(jnp.float32)
+            if self.logit_bias is not None:
+                logits = logits + self.logit_bias.astype(jnp.float32)
             return self.topk(logits, self.expert_bias, self.spec)

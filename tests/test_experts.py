@@ -74,8 +74,8 @@ def test_swiglu_scaled_values_gradients_and_residuals():
 
 def test_biases_and_clamped_swiglu_per_row():
     """gpt-oss's experts: each row (padding rows after the groups included in the call) gets
-    (clip(up + b_up) + 1) * g * sigmoid(alpha g) @ w_down + b_down of its own expert, with
-    g = min(gate + b_gate, limit); two grouped matmuls, the biases added outside them."""
+    (clip(up + up_bias) + 1) * g * sigmoid(alpha g) @ w_down + down_bias of its own expert, with
+    g = min(gate + gate_bias, limit); two grouped matmuls, the biases added outside them."""
     experts, dim, hidden, limit, alpha = 4, 8, 6, 0.7, 1.702
     ex = GroupedExperts(
         experts,
@@ -88,9 +88,9 @@ def test_biases_and_clamped_swiglu_per_row():
         key=jax.random.key(0),
     )
     keys = jax.random.split(jax.random.key(2), 3)
-    biases = (ex.b_gate, ex.b_up, ex.b_down)
+    biases = (ex.gate_bias, ex.up_bias, ex.down_bias)
     random = tuple(jax.random.normal(k, b.shape) for k, b in zip(keys, biases, strict=True))
-    ex = eqx.tree_at(lambda e: (e.b_gate, e.b_up, e.b_down), ex, random)
+    ex = eqx.tree_at(lambda e: (e.gate_bias, e.up_bias, e.down_bias), ex, random)
     sizes = np.array([3, 0, 5, 2])
     rows = 3 * jax.random.normal(jax.random.key(1), (int(sizes.sum()) + 2, dim))  # 2 padding
     recorded.clear()
@@ -99,12 +99,12 @@ def test_biases_and_clamped_swiglu_per_row():
     owner = np.repeat(np.arange(experts), sizes)
     clamped = 0
     for r, e in enumerate(owner):
-        gate = rows[r] @ ex.w_gate[e] + ex.b_gate[e]
-        up = rows[r] @ ex.w_up[e] + ex.b_up[e]
+        gate = rows[r] @ ex.w_gate[e] + ex.gate_bias[e]
+        up = rows[r] @ ex.w_up[e] + ex.up_bias[e]
         clamped += int(jnp.sum(gate > limit) + jnp.sum(jnp.abs(up) > limit))
         g = jnp.minimum(gate, limit)
         h = (jnp.clip(up, -limit, limit) + 1) * g * jax.nn.sigmoid(alpha * g)
-        np.testing.assert_allclose(out[r], h @ ex.w_down[e] + ex.b_down[e], **FP32)
+        np.testing.assert_allclose(out[r], h @ ex.w_down[e] + ex.down_bias[e], **FP32)
     assert clamped > 10  # the clamp binds on both sides of the test
     assert bool(jnp.isfinite(out).all())
 

@@ -11,6 +11,7 @@ from dropless.backends import BACKENDS
 from dropless.cli.config_file import apply_overrides, parse_yaml
 from dropless.models import PRESETS
 from dropless.models.deepseek_v3 import DeepSeekV3Config
+from dropless.models.deepseek_v3.config import repeat_layer_types
 from dropless.train.config import TrainConfig
 
 # One line per DeepSeekV3Config field, shown by `dropless train --help-all`.
@@ -114,6 +115,11 @@ def from_options(options: Any) -> DeepSeekV3Config:
         if parsed is not None and not isinstance(parsed, dict):
             raise ValueError(f"--model.rope-scaling must be a mapping or None, got {parsed!r}")
         values["rope_scaling"] = parsed
+    types, layers = values["layer_types"], values["num_hidden_layers"]
+    if types is not None and len(types) != layers:  # a new depth: the preset's pattern repeats
+        values["layer_types"] = repeat_layer_types(types, layers)
+    elif types is not None:
+        values["layer_types"] = tuple(types)
     return DeepSeekV3Config(**values)
 
 

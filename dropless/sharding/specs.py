@@ -44,7 +44,7 @@ def logical_param_specs(model: PyTree, *, fsdp_min_size: int = FSDP_MIN_SIZE) ->
             def expert_spec(path, a):
                 if not eqx.is_array(a):
                     return None
-                bias = getattr(path[-1], "name", "").startswith("b_")
+                bias = getattr(path[-1], "name", "").endswith("_bias")
                 return spec(a, a.ndim - (2 if bias else 3))
 
             return jax.tree_util.tree_map_with_path(expert_spec, n)

@@ -425,9 +425,14 @@ def test_ep_matches_single_device_with_gpt_oss_experts():
     moe = MoE(DIM, HIDDEN, spec, experts_bias=True, swiglu_limit=0.5, key=jax.random.key(3))
     keys = jax.random.split(jax.random.key(4), 4)
     ex = moe.experts
-    biases = (moe.router.b_router, ex.b_gate, ex.b_up, ex.b_down)
+    biases = (moe.router.logit_bias, ex.gate_bias, ex.up_bias, ex.down_bias)
     random = tuple(jax.random.normal(k, b.shape) for k, b in zip(keys, biases, strict=True))
-    where = lambda m: (m.router.b_router, m.experts.b_gate, m.experts.b_up, m.experts.b_down)  # noqa: E731
+    where = lambda m: (
+        m.router.logit_bias,
+        m.experts.gate_bias,
+        m.experts.up_bias,
+        m.experts.down_bias,
+    )  # noqa: E731
     moe = eqx.tree_at(where, moe, random)
     x, probe = inputs()
     y_ref, st_ref, g_ref = value_and_grad(moe, x, probe)

@@ -19,6 +19,7 @@ from dropless.models import get_preset
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, to_hf
 from dropless.models.deepseek_v3.hf import from_pretrained, save_pretrained
 from dropless.models.deepseek_v3.params import count_params
+from dropless.train import weight_decay_mask
 
 RTOL = 1e-4  # float32, max |ours - reference| / max |reference|
 BATCH, SEQ = 2, 24
@@ -168,8 +169,13 @@ def test_config_round_trip_and_defaults():
 
 
 def test_config_rules():
-    with pytest.raises(ValueError, match="layer_types"):
-        get_preset("gpt-oss-tiny", num_hidden_layers=3)
+    # a new depth repeats the layer types' pattern; a wrong length of them is refused
+    sliding, full = "sliding_attention", "full_attention"
+    assert get_preset("gpt-oss-tiny", num_hidden_layers=3).layer_types == (sliding, full, sliding)
+    irregular = get_preset("gpt-oss-tiny", layer_types=(full, full, sliding, full))
+    assert irregular.replace(num_hidden_layers=5).layer_types == (full, full, sliding, full, full)
+    with pytest.raises(ValueError, match=r"layer_types .* for each of the num_hidden_layers \(4\)"):
+        get_preset("gpt-oss-tiny", layer_types=(full, sliding))
     with pytest.raises(ValueError, match="sliding_window must be set"):
         get_preset("gpt-oss-tiny", sliding_window=None)
     with pytest.raises(ValueError, match="attention_sinks need attention_impl 'xla'"):
@@ -199,10 +205,13 @@ def plain_loss(model, tokens):
 def randomized(model, key):
     """`model` with every bias and sink random (they start at zero)."""
 
+    drawn = []
+
     def leaf(path, a):
         name = jax.tree_util.keystr(path[-1:], simple=True, separator="")
-        if name.startswith(("b_", "q_bias", "k_bias", "v_bias", "o_bias", "sinks")):
-            k = jax.random.fold_in(key, hash(jax.tree_util.keystr(path)) % 2**31)
+        if name.endswith("_bias") or name == "sinks":
+            drawn.append(name)
+            k = jax.random.fold_in(key, len(drawn))
             return 0.5 * jax.random.normal(k, a.shape, a.dtype)
         return a
 
@@ -222,3 +231,19 @@ def test_backends_equal_the_default(backend_name):
     np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_weight_decay_spares_biases_sinks_and_norms():
+    """AdamW decays gpt-oss's matrices only: not its biases (router, experts, attention), its
+    sinks or its norms."""
+    model = DeepSeekV3(get_preset("gpt-oss-tiny", num_hidden_layers=2), key=jax.random.key(0))
+    mask = weight_decay_mask(model)
+    names = {
+        jax.tree_util.keystr(p, simple=True, separator="."): m
+        for p, m in jax.tree_util.tree_leaves_with_path(mask)
+    }
+    decayed = sorted(n.rsplit(".", 1)[-1] for n, m in names.items() if m)
+    assert decayed == sorted(
+        ["embed_tokens", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj"]
+        + ["w_router", "w_gate", "w_up", "w_down"]
+    )

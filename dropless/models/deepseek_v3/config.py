@@ -4,7 +4,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -135,7 +135,7 @@ class DeepSeekV3Config:
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None
+    layer_types: Sequence[str] | None = None  # stored as a tuple
     attention_sinks: bool = False
     router_bias: bool = False
     experts_bias: bool = False
@@ -161,6 +161,10 @@ class DeepSeekV3Config:
                     "{'type': 'yarn', 'factor': 40}, or None"
                 )
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+        if self.layer_types is not None:  # a tuple, whatever config.json or YAML gave: hashable
+            if isinstance(self.layer_types, str) or not isinstance(self.layer_types, Sequence):
+                _fail(f"layer_types ({self.layer_types!r}) must be a list of layer types, or None")
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         _validate(self)
 
     def __hash__(self) -> int:  # rope_scaling is a dict; hash a frozen view of it
@@ -242,7 +246,12 @@ class DeepSeekV3Config:
         )
 
     def replace(self, **changes: Any) -> "DeepSeekV3Config":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). A new `num_hidden_layers` without
+        new `layer_types` repeats the layer types' pattern (their shortest period: sliding,
+        full for gpt-oss) to the new depth."""
+        layers = changes.get("num_hidden_layers", self.num_hidden_layers)
+        if self.layer_types and "layer_types" not in changes and layers != self.num_hidden_layers:
+            changes["layer_types"] = repeat_layer_types(self.layer_types, layers)
         return dataclasses.replace(self, **changes)
 
     # --- Hugging Face config.json --------------------------------------------------------------
@@ -300,6 +309,14 @@ class DeepSeekV3Config:
         out["architectures"] = ["DeepseekV3ForCausalLM"]
         out["num_key_value_heads"] = self.num_attention_heads
         return out
+
+
+def repeat_layer_types(types: Sequence[str], layers: int) -> tuple[str, ...]:
+    """`types`' repeating pattern (their shortest period) over `layers` layers."""
+    period = next(
+        p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types))
+    )
+    return tuple(types[i % period] for i in range(layers))
 
 
 def _names() -> tuple[str, ...]:

@@ -211,16 +211,16 @@ def _gpt_oss_moe(add, hf: str, mlp: str, index: tuple[int, ...]) -> None:
     """gpt-oss's MoE tensors: a router with a bias, and the experts fused, [in out], gate and up
     interleaved, with biases."""
     add(f"{hf}.mlp.router.weight", Slot(f"{mlp}.router.w_router", index, False))
-    add(f"{hf}.mlp.router.bias", Slot(f"{mlp}.router.b_router", index, False))
+    add(f"{hf}.mlp.router.bias", Slot(f"{mlp}.router.logit_bias", index, False))
     experts = f"{mlp}.experts"
 
     def pair(a: str, b: str) -> tuple[Slot, Slot]:
         return Slot(f"{experts}.{a}", index, False), Slot(f"{experts}.{b}", index, False)
 
     add(f"{hf}.mlp.experts.gate_up_proj", *pair("w_gate", "w_up"), interleave=True)
-    add(f"{hf}.mlp.experts.gate_up_proj_bias", *pair("b_gate", "b_up"), interleave=True)
+    add(f"{hf}.mlp.experts.gate_up_proj_bias", *pair("gate_bias", "up_bias"), interleave=True)
     add(f"{hf}.mlp.experts.down_proj", Slot(f"{experts}.w_down", index, False))
-    add(f"{hf}.mlp.experts.down_proj_bias", Slot(f"{experts}.b_down", index, False))
+    add(f"{hf}.mlp.experts.down_proj_bias", Slot(f"{experts}.down_bias", index, False))
 
 
 def check_coverage(table: Mapping[str, HFTensor], leaves: Mapping[str, tuple[int, ...]]) -> None:
