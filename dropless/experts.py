@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from dropless.swiglu import gate_up, init_linear, swiglu, swiglu_grad_in_blocks
+from dropless.swiglu import clamped_swiglu, gate_up, init_linear, swiglu, swiglu_grad_in_blocks
 
 
 class AbstractGroupedMatmul(eqx.Module):
@@ -101,13 +101,30 @@ def _swiglu_scaled_bwd(res, d_out):
 swiglu_scaled.defvjp(_swiglu_scaled_fwd, _swiglu_scaled_bwd)
 
 
+def expert_of_row(group_sizes: Int[Array, " experts"], rows: int) -> Int[Array, " rows"]:
+    """The expert owning each row; rows past sum(group_sizes) get `experts` (none)."""
+    return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
+
+
 class GroupedExperts(eqx.Module):
-    """SwiGLU experts with weights in one canonical layout, whatever the strategy."""
+    """SwiGLU experts with weights in one canonical layout, whatever the strategy.
+
+    gpt-oss's options: `bias` (each expert's gate, up and down projections add a bias:
+    `gate_bias`, `up_bias`, `down_bias`) and `swiglu_limit` (the clamped SwiGLU,
+    `clamped_swiglu`, with `swiglu_alpha`). Either takes the unfused path whatever the
+    strategy: one grouped matmul for gate and up, the biases added outside it (each row reads
+    its expert's), the activation, the down projection. Without them the path is the plain SwiGLU's.
+    """
 
     w_gate: Float[Array, "experts dim hidden"]
     w_up: Float[Array, "experts dim hidden"]
     w_down: Float[Array, "experts hidden dim"]
+    gate_bias: Float[Array, "experts hidden"] | None
+    up_bias: Float[Array, "experts hidden"] | None
+    down_bias: Float[Array, "experts dim"] | None
     gmm: AbstractGroupedMatmul
+    swiglu_limit: float | None = eqx.field(default=None, static=True)
+    swiglu_alpha: float = eqx.field(default=1.702, static=True)
 
     def __init__(
         self,
@@ -116,14 +133,28 @@ class GroupedExperts(eqx.Module):
         hidden: int,
         *,
         gmm: AbstractGroupedMatmul,
+        bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
         dtype=jnp.float32,
         key: PRNGKeyArray,
     ):
+        if swiglu_limit is not None and not swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit ({swiglu_limit}) must be > 0, or None")
         k_gate, k_up, k_down = jax.random.split(key, 3)
         self.w_gate = init_linear(k_gate, (n_experts, dim, hidden), dim, dtype)
         self.w_up = init_linear(k_up, (n_experts, dim, hidden), dim, dtype)
         self.w_down = init_linear(k_down, (n_experts, hidden, dim), hidden, dtype)
+        zeros = (lambda *s: jnp.zeros(s, dtype)) if bias else (lambda *s: None)
+        self.gate_bias, self.up_bias = zeros(n_experts, hidden), zeros(n_experts, hidden)
+        self.down_bias = zeros(n_experts, dim)
         self.gmm = gmm
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+
+    @property
+    def plain(self) -> bool:
+        """No biases and the plain SwiGLU: the path every strategy computes its own way."""
+        return self.down_bias is None and self.swiglu_limit is None
 
     def __call__(
         self,
@@ -135,9 +166,34 @@ class GroupedExperts(eqx.Module):
         hidden units before the down projection (the same as scaling the output: it is linear
         in them), in float32, then rounded to the rows' dtype."""
         with jax.named_scope("experts"):
+            if not self.plain:
+                if row_weights is not None:
+                    raise ValueError(
+                        "expert biases and the clamped SwiGLU need the routing weights applied "
+                        "to the experts' outputs (weights_before_down=False)"
+                    )
+                return self._biased(rows, group_sizes)
             weights = (self.w_gate, self.w_up, group_sizes, row_weights)
             if isinstance(self.gmm, AbstractFusedSwiGLUMatmul):
                 hidden = self.gmm.gate_up_swiglu(rows, *weights)
             else:
                 hidden = gate_up_swiglu(self.gmm, rows, *weights)
             return self.gmm(hidden, self.w_down.astype(rows.dtype), group_sizes)
+
+    def _biased(
+        self, rows: Float[Array, "rows dim"], group_sizes: Int[Array, " experts"]
+    ) -> Float[Array, "rows dim"]:
+        dt = rows.dtype
+        gate_and_up = self.gmm(rows, gate_up(self.w_gate, self.w_up, dt), group_sizes)
+        owner = None
+        if self.down_bias is not None:  # rows past the groups read the last expert's: ignored
+            owner = jnp.minimum(expert_of_row(group_sizes, rows.shape[0]), group_sizes.shape[0] - 1)
+            gate_and_up = gate_and_up + jnp.concatenate([self.gate_bias, self.up_bias], -1)[
+                owner
+            ].astype(dt)
+        if self.swiglu_limit is None:
+            hidden = swiglu(gate_and_up)
+        else:
+            hidden = clamped_swiglu(gate_and_up, self.swiglu_alpha, self.swiglu_limit)
+        out = self.gmm(hidden, self.w_down.astype(dt), group_sizes)
+        return out if owner is None else out + self.down_bias[owner].astype(dt)

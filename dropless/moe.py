@@ -128,6 +128,8 @@ class MoE(eqx.Module):
     (`bias_target`; None: k * experts / (experts + zero), every choice equally loaded). Needs
     a dispatcher that leaves ids outside its experts alone (`SortDispatcher`,
     `AllToAllDispatcher`) and no group-limited routing (`spec.n_group == 1`).
+    `experts_bias`, `swiglu_limit`, `swiglu_alpha`: the routed experts' biases and clamped SwiGLU
+    (gpt-oss; `GroupedExperts`).
     """
 
     router: TopKRouter
@@ -155,6 +157,9 @@ class MoE(eqx.Module):
         n_zero_experts: int = 0,
         zero_output: Literal["identity", "zero"] = "identity",
         active_experts: float | None = None,
+        experts_bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
         key: PRNGKeyArray,
     ):
         for name, value, least in (
@@ -185,7 +190,15 @@ class MoE(eqx.Module):
         self.zero_output = zero_output
         self.active_experts = active_experts
         self.experts = GroupedExperts(
-            spec.n_routed_experts, dim, moe_intermediate_size, gmm=gmm, dtype=dtype, key=k_experts
+            spec.n_routed_experts,
+            dim,
+            moe_intermediate_size,
+            gmm=gmm,
+            bias=experts_bias,
+            swiglu_limit=swiglu_limit,
+            swiglu_alpha=swiglu_alpha,
+            dtype=dtype,
+            key=k_experts,
         )
         self.shared = (
             SwiGLU(dim, moe_intermediate_size * n_shared_experts, dtype=dtype, key=k_shared)
@@ -196,6 +209,10 @@ class MoE(eqx.Module):
         self.weights_before_down = weights_before_down
         if weights_before_down:  # here as well as at the call: say so before any tracing
             require_row_weights(self.dispatcher)
+            if not self.experts.plain:
+                raise ValueError(
+                    "MoE: weights_before_down needs experts without biases or a clamped SwiGLU"
+                )
 
     def __call__(
         self,

@@ -34,6 +34,9 @@ class RoutingSpec:
       `routed_scaling_factor` (the scaling applies either way, as in DeepSeek-V3).
     - `softmax_before_topk`: for softmax scoring, pick top-k of the softmax (DeepSeek) or
       softmax over the top-k logits (Mixtral); the latter always sums to one.
+    - `router_bias`: the router is a linear layer with a learnt bias (gpt-oss): unlike
+      `use_expert_bias` it is part of the logits, so of the selection, the weights and the
+      gradient.
     """
 
     n_routed_experts: int
@@ -46,6 +49,7 @@ class RoutingSpec:
     routed_scaling_factor: float = 1.0
     use_expert_bias: bool = False
     softmax_before_topk: bool = True
+    router_bias: bool = False
 
     def __post_init__(self):
         wrong_type = field_type_error(self)
@@ -246,7 +250,8 @@ def _limit_to_top_groups(
 
 
 class TopKRouter(eqx.Module):
-    """Linear router over `experts`, with an optional selection-only `expert_bias`.
+    """Linear router over `experts` (with a bias `logit_bias` under `spec.router_bias`), with an
+    optional selection-only `expert_bias`.
 
     Logits are computed in float32 whatever the input dtype (routing is precision-sensitive).
     The bias is updated outside the gradient by the rule `bias_update` (the sign rule by
@@ -254,6 +259,7 @@ class TopKRouter(eqx.Module):
     """
 
     w_router: Float[Array, "experts dim"]
+    logit_bias: Float[Array, " experts"] | None
     expert_bias: Float[Array, " experts"] | None
     spec: RoutingSpec = eqx.field(static=True)
     topk: AbstractTopK = JnpTopK()
@@ -272,6 +278,9 @@ class TopKRouter(eqx.Module):
         self.spec = spec
         std = dim**-0.5
         self.w_router = (std * jax.random.normal(key, (spec.n_routed_experts, dim))).astype(dtype)
+        self.logit_bias = (
+            jnp.zeros((spec.n_routed_experts,), jnp.float32) if spec.router_bias else None
+        )
         self.expert_bias = (
             jnp.zeros((spec.n_routed_experts,), jnp.float32) if spec.use_expert_bias else None
         )
@@ -292,5 +301,7 @@ class TopKRouter(eqx.Module):
             )
         with jax.named_scope("route"):
             logits = x.astype(jnp.float32) @ self.w_router.astype(jnp.float32).T
+            if self.logit_bias is not None:
+                logits = logits + self.logit_bias.astype(jnp.float32)
             routing = self.topk(logits, self.expert_bias, self.spec)
             return routing if replay is None else replay_routing(routing, replay, self.spec)

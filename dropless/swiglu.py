@@ -49,6 +49,17 @@ def swiglu(gate_and_up: Float[Array, "*batch gate_up"]) -> Float[Array, "*batch 
     return jax.nn.silu(gate) * up
 
 
+def clamped_swiglu(
+    gate_and_up: Float[Array, "*batch gate_up"], alpha: float, limit: float
+) -> Float[Array, "*batch hidden"]:
+    """gpt-oss's SwiGLU from the output of a `gate_up` matmul: the gate clamped above at
+    `limit`, the up projection to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = jnp.split(gate_and_up, 2, axis=-1)
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
+
 def swiglu_grad(gate: Array, up: Array, d_out: Array) -> tuple[Array, Array]:
     """The gradients of `silu(gate) * up` for the output's gradient `d_out`, elementwise (the
     three broadcast together), in their dtype: for hand-written backwards that lay out or

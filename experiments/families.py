@@ -1,5 +1,5 @@
 """Model families side by side: the tiny preset of each family (DeepSeek-V3, Qwen3-MoE,
-Mixtral, OLMoE) trained on the same data for the same token budget, same seed and settings.
+Mixtral, OLMoE, gpt-oss) trained on the same data for the same token budget, same seed and settings.
 
     python experiments/families.py [--steps N] [--data stdlib|synthetic|DIR]
         [--only tiny qwen3-moe-tiny ...]
@@ -9,7 +9,8 @@ on real text by default (the Python standard library, byte-level: what `dropless
 trains on). Reported per family: parameters (total, active), held-out cross-entropy over
 training (`--eval-every`) and at the end, and MaxVio (max over experts of load / mean load -
 1, averaged over MoE layers) over training. Each family keeps its own routing and balancing
-as its preset says (DeepSeek-V3's expert bias; the others' softmax top-k), with the same
+as its preset says (DeepSeek-V3's expert bias; the others' softmax top-k, gpt-oss's with its
+router's learnt bias), with the same
 `TrainConfig`.
 """
 
@@ -39,6 +40,7 @@ FAMILIES = {
     "qwen3-moe-tiny": "Qwen3-MoE",
     "mixtral-tiny": "Mixtral",
     "olmoe-tiny": "OLMoE",
+    "gpt-oss-tiny": "gpt-oss",
 }
 
 

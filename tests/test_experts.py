@@ -1,8 +1,10 @@
 """Grouped SwiGLU experts: the formula per expert, and gate and up as one grouped matmul."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dropless.backends.chunked import ChunkedGroupedMatmul
 from dropless.experts import AbstractGroupedMatmul, GroupedExperts, swiglu_scaled
@@ -68,3 +70,49 @@ def test_swiglu_scaled_values_gradients_and_residuals():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     kept = [leaf.shape for leaf in jax.tree.leaves(jax.vjp(swiglu_scaled, gate_and_up, scale)[1])]
     assert (24, 16) in kept and (24, 8) not in kept
+
+
+def test_biases_and_clamped_swiglu_per_row():
+    """gpt-oss's experts: each row (padding rows after the groups included in the call) gets
+    (clip(up + up_bias) + 1) * g * sigmoid(alpha g) @ w_down + down_bias of its own expert, with
+    g = min(gate + gate_bias, limit); two grouped matmuls, the biases added outside them."""
+    experts, dim, hidden, limit, alpha = 4, 8, 6, 0.7, 1.702
+    ex = GroupedExperts(
+        experts,
+        dim,
+        hidden,
+        gmm=RecordingMatmul(ChunkedGroupedMatmul(chunk=4)),
+        bias=True,
+        swiglu_limit=limit,
+        swiglu_alpha=alpha,
+        key=jax.random.key(0),
+    )
+    keys = jax.random.split(jax.random.key(2), 3)
+    biases = (ex.gate_bias, ex.up_bias, ex.down_bias)
+    random = tuple(jax.random.normal(k, b.shape) for k, b in zip(keys, biases, strict=True))
+    ex = eqx.tree_at(lambda e: (e.gate_bias, e.up_bias, e.down_bias), ex, random)
+    sizes = np.array([3, 0, 5, 2])
+    rows = 3 * jax.random.normal(jax.random.key(1), (int(sizes.sum()) + 2, dim))  # 2 padding
+    recorded.clear()
+    out = eqx.filter_jit(lambda e, r, s: e(r, s))(ex, rows, jnp.asarray(sizes))
+    assert recorded == [(experts, dim, 2 * hidden), (experts, hidden, dim)]
+    owner = np.repeat(np.arange(experts), sizes)
+    clamped = 0
+    for r, e in enumerate(owner):
+        gate = rows[r] @ ex.w_gate[e] + ex.gate_bias[e]
+        up = rows[r] @ ex.w_up[e] + ex.up_bias[e]
+        clamped += int(jnp.sum(gate > limit) + jnp.sum(jnp.abs(up) > limit))
+        g = jnp.minimum(gate, limit)
+        h = (jnp.clip(up, -limit, limit) + 1) * g * jax.nn.sigmoid(alpha * g)
+        np.testing.assert_allclose(out[r], h @ ex.w_down[e] + ex.down_bias[e], **FP32)
+    assert clamped > 10  # the clamp binds on both sides of the test
+    assert bool(jnp.isfinite(out).all())
+
+
+def test_biased_experts_refuse_row_weights():
+    ex = GroupedExperts(4, 8, 6, gmm=ChunkedGroupedMatmul(), bias=True, key=jax.random.key(0))
+    rows, sizes = jnp.ones((4, 8)), jnp.array([1, 1, 1, 1])
+    with pytest.raises(ValueError, match="weights_before_down=False"):
+        ex(rows, sizes, jnp.ones(4))
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        GroupedExperts(4, 8, 6, gmm=ChunkedGroupedMatmul(), swiglu_limit=0.0, key=jax.random.key(0))

@@ -106,6 +106,33 @@ def test_backend_equals_oracle(backend_name, case):
     assert jnp.abs(grads[0].router.w_router).sum() > 0  # the router learns through the weights
 
 
+@pytest.mark.parametrize("adversarial", ["none", "one_expert"])
+def test_gpt_oss_experts_equal_the_oracle(backend_name, adversarial):
+    """gpt-oss's MoE (a learnt router bias, expert biases, a clamp at 0.5 that binds) with
+    each backend's strategies against the oracle, output and every gradient."""
+    spec = RoutingSpec(8, 2, "softmax", softmax_before_topk=False, router_bias=True)
+    options = dict(experts_bias=True, swiglu_limit=0.5)
+    moe, x = build(spec, 0, adversarial, 3, backend_name, **options)
+    where = lambda m: (  # noqa: E731
+        m.router.logit_bias,
+        m.experts.gate_bias,
+        m.experts.up_bias,
+        m.experts.down_bias,
+    )
+    keys = jax.random.split(jax.random.key(4), 4)
+    random = [jax.random.normal(k, b.shape) for k, b in zip(keys, where(moe), strict=True)]
+    random[0] = jnp.zeros_like(random[0])  # the adversarial routing steers through w_router
+    moe = eqx.tree_at(where, moe, tuple(random))
+    probe = jax.random.normal(jax.random.key(7), x.shape)
+    y, grads = _output_and_grads(moe, x, probe, _layer)
+    y_ref, ref = _output_and_grads(moe, x, probe, oracle_moe)
+    np.testing.assert_allclose(y, y_ref, **FP32)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, **FP32)
+    assert jnp.abs(grads[0].router.logit_bias).sum() > 0
+    assert jnp.abs(grads[0].experts.down_bias).sum() > 0
+
+
 @settings(max_examples=8)
 @given(moe_case())
 def test_weights_before_down_equals_the_oracle(case):

@@ -2,6 +2,7 @@
 
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -327,3 +328,18 @@ def test_replay_keeps_the_router_differentiable_and_checks_shapes():
     np.testing.assert_array_equal(router(x, ids).expert_ids, ids)
     with pytest.raises(ValueError, match="replayed expert_ids"):
         router(x, ids[:, :1])
+def test_router_bias_is_part_of_the_logits():
+    """gpt-oss's router: logits = x W^T + b, so the bias moves selection and weights, and it
+    gets a gradient (unlike the selection-only expert bias)."""
+    spec = RoutingSpec(n_routed_experts=6, num_experts_per_tok=2, router_bias=True)
+    router = TopKRouter(8, spec, key=jax.random.key(0))
+    assert router.logit_bias.shape == (6,) and router.expert_bias is None
+    x = jax.random.normal(jax.random.key(1), (5, 8))
+    bias = jnp.array([0.0, 0.0, 0.0, 0.0, 0.0, 50.0])
+    biased = eqx.tree_at(lambda r: r.logit_bias, router, bias)
+    out = biased(x)
+    np.testing.assert_allclose(out.logits, x @ router.w_router.T + bias, rtol=1e-6, atol=1e-6)
+    assert bool((out.expert_ids[:, 0] == 5).all())  # the bias decides the first choice
+    grad = jax.grad(lambda r: r(x).weights[:, 1].sum())(biased)
+    assert float(jnp.abs(grad.logit_bias).sum()) > 0
+    assert TopKRouter(8, RoutingSpec(6, 2), key=jax.random.key(0)).logit_bias is None

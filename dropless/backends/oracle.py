@@ -32,7 +32,8 @@ class OneHotGroupedMatmul(AbstractGroupedMatmul):
 
 def oracle_moe(moe, x: Float[Array, "tokens dim"]) -> Float[Array, "tokens dim"]:
     """y[t] = sum_k w[t,k] * FFN_{e[t,k]}(x[t]) (+ shared experts), every expert on every token,
-    for an `MoE` layer `moe` (its router, experts' weights and shared experts)."""
+    for an `MoE` layer `moe` (its router, experts' weights, biases and activation, and shared
+    experts)."""
     routing = moe.router(x)
     n_experts = routing.scores.shape[-1]
     # combine_weights[t, e] = weight of expert e for token t (0 when not chosen)
@@ -41,7 +42,17 @@ def oracle_moe(moe, x: Float[Array, "tokens dim"]) -> Float[Array, "tokens dim"]
     ex = moe.experts
     gate = jnp.einsum("td,edh->teh", x, ex.w_gate.astype(x.dtype))
     up = jnp.einsum("td,edh->teh", x, ex.w_up.astype(x.dtype))
-    out = jnp.einsum("teh,ehd->ted", jax.nn.silu(gate) * up, ex.w_down.astype(x.dtype))
+    if ex.gate_bias is not None:  # gpt-oss
+        gate, up = gate + ex.gate_bias.astype(x.dtype), up + ex.up_bias.astype(x.dtype)
+    if ex.swiglu_limit is None:
+        hidden = jax.nn.silu(gate) * up
+    else:  # gpt-oss's clamped SwiGLU
+        gate = jnp.minimum(gate, ex.swiglu_limit)
+        up = jnp.clip(up, -ex.swiglu_limit, ex.swiglu_limit)
+        hidden = (up + 1) * gate * jax.nn.sigmoid(ex.swiglu_alpha * gate)
+    out = jnp.einsum("teh,ehd->ted", hidden, ex.w_down.astype(x.dtype))
+    if ex.down_bias is not None:
+        out = out + ex.down_bias.astype(x.dtype)
     y = jnp.einsum("ted,te->td", out.astype(jnp.float32), combine_weights).astype(x.dtype)
     if moe.shared is not None:
         y = y + moe.shared(x)

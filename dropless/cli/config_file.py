@@ -78,6 +78,8 @@ def replace_checked(config, values: object, where: str):
             except ValueError:
                 wanted = "an int" if kind is int else "a number"
                 raise ValueError(f"{where}: {name} must be {wanted}, got {value!r}") from None
+    if isinstance(config, DeepSeekV3Config):  # its own rules (layer types follow the depth)
+        return config.replace(**values)
     return dataclasses.replace(config, **values)
 
 

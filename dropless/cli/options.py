@@ -11,6 +11,7 @@ from dropless.backends import BACKENDS
 from dropless.cli.config_file import apply_overrides, parse_yaml
 from dropless.models import PRESETS
 from dropless.models.deepseek_v3 import DeepSeekV3Config
+from dropless.models.deepseek_v3.config import repeat_layer_types
 from dropless.train.config import TrainConfig
 
 # One line per DeepSeekV3Config field, shown by `dropless train --help-all`.
@@ -57,12 +58,19 @@ MODEL_HELP = {
     "logits_dtype": "What the vocabulary head writes: 'float32' or 'bfloat16' (the loss reduces "
     "in float32 either way).",
     "model_type": "Hugging Face family of the checkpoints: 'deepseek_v3', 'qwen3_moe', "
-    "'mixtral' or 'olmoe'.",
+    "'mixtral', 'olmoe' or 'gpt_oss'.",
     "num_key_value_heads": "GQA: key-value heads (None: one per query head).",
     "head_dim": "GQA: width of each head (None: hidden_size / num_attention_heads).",
     "sliding_window": "GQA: positions each query sees, itself included (None: all before it).",
+    "layer_types": "GQA: each layer's 'sliding_attention' (sliding_window) or 'full_attention' "
+    "(None: every layer uses sliding_window; gpt-oss).",
+    "attention_sinks": "GQA: a learnt sink logit per head in the softmax (gpt-oss).",
+    "router_bias": "The router's logits add a learnt bias (gpt-oss).",
+    "experts_bias": "The routed experts' gate, up and down projections add biases (gpt-oss).",
+    "swiglu_limit": "The experts' clamped SwiGLU's limit (None: the plain SwiGLU; gpt-oss).",
+    "swiglu_alpha": "The clamped SwiGLU's sigmoid gain (gpt-oss: 1.702).",
     "attention_type": "Attention: 'mla' (DeepSeek) or 'gqa' (grouped-query: Qwen3-MoE, Mixtral, "
-    "OLMoE).",
+    "OLMoE, gpt-oss).",
     "qk_norm": "GQA: RMS norm of queries and keys: 'none', 'head' (per head, Qwen3) or 'full' "
     "(whole projections, OLMoE).",
     "moe_weights_before_down": "Routing weights scale the experts' hidden units before the "
@@ -114,6 +122,11 @@ def from_options(options: Any) -> DeepSeekV3Config:
         if parsed is not None and not isinstance(parsed, dict):
             raise ValueError(f"--model.rope-scaling must be a mapping or None, got {parsed!r}")
         values["rope_scaling"] = parsed
+    types, layers = values["layer_types"], values["num_hidden_layers"]
+    if types is not None and len(types) != layers:  # a new depth: the preset's pattern repeats
+        values["layer_types"] = repeat_layer_types(types, layers)
+    elif types is not None:
+        values["layer_types"] = tuple(types)
     return DeepSeekV3Config(**values)
 
 

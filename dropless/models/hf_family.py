@@ -1,9 +1,10 @@
 """How a Hugging Face MoE family's `config.json` maps onto `DeepSeekV3Config`: `HFFamily`.
 
-Qwen3-MoE, Mixtral and OLMoE are the same decoder as DeepSeek-V3 with grouped-query attention
-in place of MLA, softmax top-k routing and no shared experts; each family package holds one
-`HFFamily` (its field names, defaults and what it fixes), and `DeepSeekV3Config.from_hf_config`
-and `to_hf_dict` go through it for that family's `model_type` (`deepseek_v3.config.FAMILIES`).
+Qwen3-MoE, Mixtral, OLMoE and gpt-oss are the same decoder as DeepSeek-V3 with grouped-query
+attention in place of MLA, softmax top-k routing and no shared experts; each family package
+holds one `HFFamily` (its field names, defaults and what it fixes), and
+`DeepSeekV3Config.from_hf_config` and `to_hf_dict` go through it for that family's
+`model_type` (`deepseek_v3.config.FAMILIES`).
 """
 
 import dataclasses
@@ -59,7 +60,8 @@ class HFFamily:
         return out
 
 
-# The settings the three families share: GQA, softmax top-k without groups, scaling or MTP.
+# The settings Qwen3-MoE, Mixtral and OLMoE share: GQA, softmax top-k without groups, scaling
+# or MTP, and none of gpt-oss's additions.
 GQA_MOE = {
     "attention_type": "gqa",
     "topk_method": "greedy",
@@ -72,6 +74,11 @@ GQA_MOE = {
     "rope_interleave": False,
     "q_lora_rank": None,
     "attention_bias": False,
+    "layer_types": None,
+    "attention_sinks": False,
+    "router_bias": False,
+    "experts_bias": False,
+    "swiglu_limit": None,
 }
 COMMON = (
     "vocab_size",

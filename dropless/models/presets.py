@@ -1,11 +1,12 @@
 """Every family's named sizes in one table: DeepSeek-V3's (`deepseek_v3.PRESETS`, Kimi K2
-included), Qwen3-MoE's, Mixtral's and OLMoE's. `dropless presets` lists them."""
+included), Qwen3-MoE's, Mixtral's, OLMoE's and gpt-oss's. `dropless presets` lists them."""
 
 from collections.abc import Callable
 from typing import Any
 
 from dropless.models import deepseek_v3
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
+from dropless.models.gpt_oss.presets import gpt_oss_20b, gpt_oss_tiny
 from dropless.models.mixtral.presets import mixtral_8x7b, mixtral_tiny
 from dropless.models.olmoe.presets import olmoe_1b_7b, olmoe_tiny
 from dropless.models.qwen3_moe.presets import qwen3_30b_a3b, qwen3_moe_tiny
@@ -18,6 +19,8 @@ PRESETS: dict[str, Callable[[], DeepSeekV3Config]] = {
     "mixtral-8x7b": mixtral_8x7b,
     "olmoe-tiny": olmoe_tiny,
     "olmoe-1b-7b": olmoe_1b_7b,
+    "gpt-oss-tiny": gpt_oss_tiny,
+    "gpt-oss-20b": gpt_oss_20b,
 }
 
 

@@ -34,13 +34,13 @@ def attend(
     k_positions: Int[Array, " keys"],
     *,
     scale: float,
-    window: int | None = None,
+    window: int | Int[Array, ""] | None = None,
     sinks: Float[Array, " heads"] | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Causal attention of each query over the keys at or before its position (and, with
-    `window`, fewer than `window` positions before it), query head h reading key head
-    h // (heads / kv_heads). Scores and softmax in float32; `sinks[h]` joins head h's
-    softmax as one more logit with no value."""
+    `window`, a static or traced int, fewer than `window` positions before it), query head h
+    reading key head h // (heads / kv_heads). Scores and softmax in float32; `sinks[h]` joins
+    head h's softmax as one more logit with no value."""
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
@@ -69,12 +69,20 @@ class GQA(eqx.Module):
     adjacent ones (`dropless.nn.RotaryEmbedding`). `window`: each position
     sees itself and the `window - 1` before it (None: all before it). `impl`: "xla" (`attend`)
     or "cudnn" (cuDNN's fused attention on NVIDIA GPUs, through `jax.nn.dot_product_attention`).
+    `bias`: the four projections add a bias (`q_bias`, ...). `sinks`: a learnt logit per query
+    head joins its softmax (`attend`); both as in gpt-oss. A `window` passed at the call (a
+    traced int, one per layer of a stack) overrides the static one.
     """
 
     q_proj: Float[Array, "dim q_out"]
     k_proj: Float[Array, "dim kv_out"]
     v_proj: Float[Array, "dim kv_out"]
     o_proj: Float[Array, "q_out dim"]
+    q_bias: Float[Array, " q_out"] | None
+    k_bias: Float[Array, " kv_out"] | None
+    v_bias: Float[Array, " kv_out"] | None
+    o_bias: Float[Array, " dim"] | None
+    sinks: Float[Array, " heads"] | None
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
     rope: RotaryEmbedding
@@ -95,6 +103,8 @@ class GQA(eqx.Module):
         *,
         qk_norm: QKNorm = "none",
         window: int | None = None,
+        bias: bool = False,
+        sinks: bool = False,
         rope_theta: float = 10000.0,
         rope_scaling: Mapping[str, Any] | None = None,
         max_position_embeddings: int = 2048,
@@ -114,6 +124,12 @@ class GQA(eqx.Module):
         self.k_proj = init_linear(k_k, (dim, kv_out), dim, dtype)
         self.v_proj = init_linear(k_v, (dim, kv_out), dim, dtype)
         self.o_proj = init_linear(k_o, (q_out, dim), q_out, dtype)
+        zeros = (lambda n: jnp.zeros((n,), dtype)) if bias else (lambda n: None)
+        self.q_bias, self.k_bias, self.v_bias = zeros(q_out), zeros(kv_out), zeros(kv_out)
+        self.o_bias = zeros(dim)
+        self.sinks = jnp.zeros((num_heads,), dtype) if sinks else None
+        if sinks and impl == "cudnn":
+            raise ValueError("attention sinks need impl 'xla' (cuDNN's attention has none)")
         q_width, k_width = (head_dim, head_dim) if qk_norm == "head" else (q_out, kv_out)
         norms = qk_norm != "none"
         self.q_norm = RMSNorm(q_width, eps=eps, dtype=dtype) if norms else None
@@ -136,9 +152,15 @@ class GQA(eqx.Module):
         Float[Array, "batch seq kv_heads head_dim"],
     ]:
         """Rotated (and normed) queries and keys, and values, of `x` at `positions`."""
-        dt = x.dtype
         batch, seq, _ = x.shape
-        q, k, v = (x @ w.astype(dt) for w in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            _linear(x, w, b)
+            for w, b in (
+                (self.q_proj, self.q_bias),
+                (self.k_proj, self.k_bias),
+                (self.v_proj, self.v_bias),
+            )
+        )
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(batch, seq, self.num_heads, self.head_dim)
@@ -156,21 +178,37 @@ class GQA(eqx.Module):
         v: Float[Array, "batch keys kv_heads head_dim"],
         q_positions: Int[Array, " seq"],
         k_positions: Int[Array, " keys"],
+        window: Int[Array, ""] | None = None,
     ) -> Float[Array, "batch seq dim"]:
-        """`attend` with this layer's settings, then the output projection."""
-        out = attend(q, k, v, q_positions, k_positions, scale=self.scale, window=self.window)
+        """`attend` with this layer's settings (`window`, if given, in place of its own), then
+        the output projection."""
+        out = attend(
+            q,
+            k,
+            v,
+            q_positions,
+            k_positions,
+            scale=self.scale,
+            window=self.window if window is None else window,
+            sinks=self.sinks,
+        )
         batch, seq = q.shape[:2]
-        return out.reshape(batch, seq, -1) @ self.o_proj.astype(q.dtype)
+        return _linear(out.reshape(batch, seq, -1), self.o_proj, self.o_bias)
 
-    def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
-        """Causal self-attention; position i attends to positions 0..i (within the window)."""
+    def __call__(
+        self, x: Float[Array, "batch seq dim"], window: Int[Array, ""] | None = None
+    ) -> Float[Array, "batch seq dim"]:
+        """Causal self-attention; position i attends to positions 0..i (within the window:
+        `window`, if given, in place of the layer's own)."""
         positions = jnp.arange(x.shape[1])
         with jax.named_scope("qkv"):
             q, k, v = self.project(x, positions)
         with jax.named_scope("attention"):
             if self.impl == "cudnn":
+                if window is not None:
+                    raise ValueError("a window per call needs impl 'xla'")
                 return self._fused(q, k, v, "cudnn")
-            return self.attend(q, k, v, positions, positions)
+            return self.attend(q, k, v, positions, positions, window)
 
     def _fused(self, q, k, v, implementation: str | None):
         window = None if self.window is None else (self.window - 1, 0)
@@ -184,4 +222,10 @@ class GQA(eqx.Module):
             implementation=implementation,
         )
         batch, seq = q.shape[:2]
-        return out.reshape(batch, seq, -1) @ self.o_proj.astype(q.dtype)
+        return _linear(out.reshape(batch, seq, -1), self.o_proj, self.o_bias)
+
+
+def _linear(x: Array, w: Array, b: Array | None) -> Array:
+    """x @ w (+ b), the weights cast to x's dtype."""
+    y = x @ w.astype(x.dtype)
+    return y if b is None else y + b.astype(x.dtype)

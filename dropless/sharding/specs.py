@@ -32,8 +32,9 @@ def logical_param_specs(model: PyTree, *, fsdp_min_size: int = FSDP_MIN_SIZE) ->
     """A logical PartitionSpec for every array of `model` (None for everything else).
 
     The experts dimension of `GroupedExperts` weights (the third from last, after any stacked
-    layer dimensions) is "experts"; the largest other dimension of every floating array with at
-    least `fsdp_min_size` elements is "fsdp"; everything else is replicated.
+    layer dimensions; the second from last of their biases) is "experts"; the largest other
+    dimension of every floating array with at least `fsdp_min_size` elements is "fsdp";
+    everything else is replicated.
     """
 
     def spec(leaf, experts_dim=None):
@@ -50,7 +51,14 @@ def logical_param_specs(model: PyTree, *, fsdp_min_size: int = FSDP_MIN_SIZE) ->
 
     def node(n):
         if isinstance(n, GroupedExperts):
-            return jax.tree.map(lambda a: spec(a, a.ndim - 3 if is_array_like(a) else None), n)
+            # weights [*layers experts in out], biases (gpt-oss) [*layers experts out]
+            def expert_spec(path, a):
+                if not is_array_like(a):
+                    return None
+                bias = getattr(path[-1], "name", "").endswith("_bias")
+                return spec(a, a.ndim - (2 if bias else 3))
+
+            return jax.tree_util.tree_map_with_path(expert_spec, n)
         return spec(n)
 
     return jax.tree.map(node, model, is_leaf=lambda n: isinstance(n, GroupedExperts))

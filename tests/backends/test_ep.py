@@ -442,3 +442,25 @@ def test_zero_computation_experts_are_not_exchanged(exchange, monkeypatch):
             assert float(st_.tokens_per_expert.sum()) == 0.0
             kept = moe.router(x).weights.sum(-1, keepdims=True)
             assert_close(y, kept * x)  # no shared expert here
+def test_ep_matches_single_device_with_gpt_oss_experts():
+    """gpt-oss's MoE (a router bias, expert biases, the clamped SwiGLU): each device holds its
+    experts' biases with their weights, and the layer equals one device's."""
+    spec = RoutingSpec(E, K, router_bias=True)
+    moe = MoE(DIM, HIDDEN, spec, experts_bias=True, swiglu_limit=0.5, key=jax.random.key(3))
+    keys = jax.random.split(jax.random.key(4), 4)
+    ex = moe.experts
+    biases = (moe.router.logit_bias, ex.gate_bias, ex.up_bias, ex.down_bias)
+    random = tuple(jax.random.normal(k, b.shape) for k, b in zip(keys, biases, strict=True))
+    where = lambda m: (
+        m.router.logit_bias,
+        m.experts.gate_bias,
+        m.experts.up_bias,
+        m.experts.down_bias,
+    )  # noqa: E731
+    moe = eqx.tree_at(where, moe, random)
+    x, probe = inputs()
+    y_ref, st_ref, g_ref = value_and_grad(moe, x, probe)
+    y, st, g = value_and_grad(sharded(moe, ep_mesh(4)), x, probe)
+    assert_close(y, y_ref)
+    assert_same_grads(g, g_ref)
+    np.testing.assert_array_equal(st.tokens_per_expert, st_ref.tokens_per_expert)

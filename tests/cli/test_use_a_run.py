@@ -170,7 +170,7 @@ def test_generate_from_a_hugging_face_checkpoint(run_dir, tmp_path, capsys):
 
 
 @slow
-@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "mixtral-tiny"])
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "mixtral-tiny", "gpt-oss-tiny"])
 def test_other_families_train_eval_generate_and_export(run_dir, preset, tmp_path, capsys):
     """The same commands for the grouped-query-attention families: train a preset, evaluate
     the run, generate from it and from its Hugging Face export (its family's config.json)."""

@@ -154,8 +154,8 @@ def test_hidden_act_silu():
         tiny(hidden_act="gelu")
 
 
-def test_attention_bias_unsupported():
-    with pytest.raises(ValueError, match=r"attention_bias \(True\) is not supported"):
+def test_attention_bias_needs_gqa():
+    with pytest.raises(ValueError, match=r"attention_bias \(True\) needs attention_type 'gqa'"):
         tiny(attention_bias=True)
 
 

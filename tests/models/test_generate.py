@@ -61,6 +61,15 @@ CONFIGS = {
     "mixtral-window": get_any_preset("mixtral-tiny", num_hidden_layers=2, sliding_window=6),
     # QK norm over whole projections, one key-value head per query head (OLMoE)
     "olmoe": get_any_preset("olmoe-tiny", num_hidden_layers=2),
+    # attention sinks and biases, a window of 5 on layers 0 and 2 only, the clamped SwiGLU
+    # with expert biases (gpt-oss)
+    "gpt-oss": get_any_preset(
+        "gpt-oss-tiny",
+        num_hidden_layers=3,
+        sliding_window=5,
+        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+        swiglu_limit=0.5,
+    ),
 }
 
 

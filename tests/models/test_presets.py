@@ -166,8 +166,14 @@ def gqa_analytic_counts(c: DeepSeekV3Config) -> tuple[int, float]:
     d, h, kv, hd = c.hidden_size, c.num_attention_heads, c.kv_heads, c.gqa_head_dim
     norms = {"none": 0, "head": 2 * hd, "full": h * hd + kv * hd}[c.qk_norm]
     attn = d * h * hd + 2 * d * kv * hd + h * hd * d + norms + 2 * d
+    if c.attention_bias:  # gpt-oss: q, k, v and o biases
+        attn += h * hd + 2 * kv * hd + d
+    if c.attention_sinks:
+        attn += h
     routed = c.n_routed_experts * 3 * d * c.moe_intermediate_size
-    moe_layer = attn + routed + c.n_routed_experts * d
+    if c.experts_bias:  # gate, up and down biases
+        routed += c.n_routed_experts * (2 * c.moe_intermediate_size + d)
+    moe_layer = attn + routed + c.n_routed_experts * d + c.router_bias * c.n_routed_experts
     dense_layer = attn + 3 * d * c.intermediate_size
     n_moe = c.num_hidden_layers - c.first_k_dense_replace
     emb = c.vocab_size * d

@@ -100,3 +100,19 @@ def test_bad_settings():
     # with the tests' runtime type checks on, the annotation may object first
     with pytest.raises((ValueError, TypeCheckError), match="qk_norm"):
         GQA(16, 4, 2, 8, qk_norm="rms", key=jax.random.key(0))
+
+
+def test_window_per_call_overrides_the_layers():
+    """A traced window at the call (one per layer of a stack, gpt-oss) is the static one; a
+    window wider than the sequence is full attention."""
+    x = jax.random.normal(jax.random.key(1), (2, 12, 16))
+    make = lambda window: GQA(
+        16, 4, 2, 8, window=window, bias=True, sinks=True, key=jax.random.key(0)
+    )  # noqa: E731
+    per_call = jax.jit(lambda m, x, w: m(x, w))
+    np.testing.assert_allclose(per_call(make(None), x, 4), make(4)(x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(per_call(make(4), x, 2**31 - 1), make(None)(x), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(make(4)(x), make(None)(x))
+    assert make(None).sinks.shape == (4,) and make(None).o_bias.shape == (16,)
+    with pytest.raises(ValueError, match="sinks need impl 'xla'"):
+        GQA(16, 4, 2, 8, sinks=True, impl="cudnn", key=jax.random.key(0))

@@ -29,14 +29,17 @@ class DecoderBlock(eqx.Module):
         self,
         x: Float[Array, "batch seq dim"],
         *,
+        window: Int[Array, ""] | None = None,
         return_routing: bool = False,
         replay: Int[Array, "tokens k"] | None = None,
     ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
         """The new residual stream, and the MoE statistics (None for a dense block; with the
-        routing, tokens flattened `batch * seq`, under `return_routing`). `replay`: the MoE's
-        expert choice, recorded so (`MoE.__call__`)."""
+        routing, tokens flattened `batch * seq`, under `return_routing`). `window`: this
+        layer's attention window in place of the attention's own (GQA only); `replay`: the
+        MoE's expert choice, recorded so (`MoE.__call__`)."""
         with jax.named_scope("attention"):
-            x = x + self.self_attn(self.input_layernorm(x))
+            h = self.input_layernorm(x)
+            x = x + (self.self_attn(h) if window is None else self.self_attn(h, window))
         with jax.named_scope("ffn"):
             h = self.post_attention_layernorm(x)
             if not isinstance(self.mlp, MoE):

@@ -4,13 +4,14 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 
 from dropless.bias_update import BIAS_UPDATES
 from dropless.field_types import field_type_error, is_number
+from dropless.models.gpt_oss.config import GPT_OSS
 from dropless.models.mixtral.config import MIXTRAL
 from dropless.models.olmoe.config import OLMOE
 from dropless.models.qwen3_moe.config import QWEN3_MOE
@@ -24,8 +25,22 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("xla", "blockwise", "cudnn")
 ATTENTION_TYPES = ("mla", "gqa")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# The fields of the grouped-query families (not in a deepseek_v3 config.json), with the values
+# MLA models have.
+GQA_FIELDS: dict[str, Any] = {
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "sliding_window": None,
+    "layer_types": None,
+    "attention_sinks": False,
+    "router_bias": False,
+    "experts_bias": False,
+    "swiglu_limit": None,
+    "swiglu_alpha": 1.702,
+}
 # The other Hugging Face families a config maps to, by model type (`dropless.models.hf_family`).
-FAMILIES = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, OLMOE)}
+FAMILIES = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, OLMOE, GPT_OSS)}
 MODEL_TYPES = ("deepseek_v3", *FAMILIES)
 
 # Settings that are dropless's own (not in a Hugging Face config.json).
@@ -69,8 +84,12 @@ class DeepSeekV3Config:
     `num_key_value_heads` and `head_dim`, None for one per query head and hidden_size /
     num_attention_heads; `qk_norm` "none" | "head" | "full"; `sliding_window`), as in the
     Qwen3-MoE, Mixtral and OLMoE families; `model_type` names the Hugging Face family whose
-    checkpoints the config maps to ("deepseek_v3", "qwen3_moe", "mixtral", "olmoe":
-    `dropless.models.hf_family`).
+    checkpoints the config maps to ("deepseek_v3", "qwen3_moe", "mixtral", "olmoe", "gpt_oss":
+    `dropless.models.hf_family`). gpt-oss adds `layer_types` (per layer "sliding_attention",
+    which uses `sliding_window`, or "full_attention"; None: every layer uses `sliding_window`),
+    `attention_bias` (GQA's projections), `attention_sinks` (a learnt sink logit per head),
+    `router_bias`, `experts_bias` (the routed experts' projections) and `swiglu_limit` (None,
+    or the clamped SwiGLU with `swiglu_alpha`).
     dropless settings: `param_dtype`/`compute_dtype` ("float32" | "bfloat16"; bf16 compute casts
     weights at use, norms, softmax and routing stay float32), `remat` ("none" | "full" | "dots" |
     "dots_no_batch", a `jax.checkpoint` policy per scanned layer), `attention_impl` ("xla"
@@ -127,6 +146,12 @@ class DeepSeekV3Config:
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     sliding_window: int | None = None
+    layer_types: Sequence[str] | None = None  # stored as a tuple
+    attention_sinks: bool = False
+    router_bias: bool = False
+    experts_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     # dropless settings
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
@@ -151,6 +176,10 @@ class DeepSeekV3Config:
                     "{'type': 'yarn', 'factor': 40}, or None"
                 )
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+        if self.layer_types is not None:  # a tuple, whatever config.json or YAML gave: hashable
+            if isinstance(self.layer_types, str) or not isinstance(self.layer_types, Sequence):
+                _fail(f"layer_types ({self.layer_types!r}) must be a list of layer types, or None")
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         _validate(self)
 
     def __hash__(self) -> int:  # rope_scaling is a dict; hash a frozen view of it
@@ -218,10 +247,26 @@ class DeepSeekV3Config:
             norm_topk_prob=self.norm_topk_prob,
             routed_scaling_factor=self.routed_scaling_factor,
             use_expert_bias=self.topk_method == "noaux_tc",
+            router_bias=self.router_bias,
+        )
+
+    def layer_windows(self) -> tuple[int, ...] | None:
+        """Each layer's window under `layer_types` (a full layer's: 2**31 - 1, wider than any
+        sequence), None without them (every layer uses `sliding_window`)."""
+        if self.layer_types is None:
+            return None
+        full = 2**31 - 1
+        return tuple(
+            self.sliding_window if t == "sliding_attention" else full for t in self.layer_types
         )
 
     def replace(self, **changes: Any) -> "DeepSeekV3Config":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). A new `num_hidden_layers` without
+        new `layer_types` repeats the layer types' pattern (their shortest period: sliding,
+        full for gpt-oss) to the new depth."""
+        layers = changes.get("num_hidden_layers", self.num_hidden_layers)
+        if self.layer_types and "layer_types" not in changes and layers != self.num_hidden_layers:
+            changes["layer_types"] = repeat_layer_types(self.layer_types, layers)
         return dataclasses.replace(self, **changes)
 
     # --- Hugging Face config.json --------------------------------------------------------------
@@ -237,7 +282,7 @@ class DeepSeekV3Config:
         else:
             values = dict(_V2_DEFAULTS) if model_type == "deepseek_v2" else {}
             values.update(hf, model_type="deepseek_v3")
-            for name in ("num_key_value_heads", "head_dim", "sliding_window"):
+            for name in GQA_FIELDS:
                 values.pop(name, None)  # MLA's heads: not grouped-query attention's fields
         if "rope_parameters" in values and "rope_scaling" not in values:  # transformers >= 5
             params = dict(values["rope_parameters"])
@@ -272,13 +317,21 @@ class DeepSeekV3Config:
             return FAMILIES[self.model_type].to_hf(self)
         if self.attention_type != "mla":
             _fail("a deepseek_v3 checkpoint has attention_type 'mla'")
-        gqa = ("model_type", "num_key_value_heads", "head_dim", "sliding_window")
+        gqa = ("model_type", *GQA_FIELDS)
         out = {f: getattr(self, f) for f in _names() if f not in DROPLESS_FIELDS + gqa}
         out["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
         out["model_type"] = "deepseek_v3"
         out["architectures"] = ["DeepseekV3ForCausalLM"]
         out["num_key_value_heads"] = self.num_attention_heads
         return out
+
+
+def repeat_layer_types(types: Sequence[str], layers: int) -> tuple[str, ...]:
+    """`types`' repeating pattern (their shortest period) over `layers` layers."""
+    period = next(
+        p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types))
+    )
+    return tuple(types[i % period] for i in range(layers))
 
 
 def _names() -> tuple[str, ...]:
@@ -332,8 +385,8 @@ def _validate(c: DeepSeekV3Config) -> None:
     if c.hidden_act != "silu":
         _fail(f"hidden_act ({c.hidden_act!r}) must be 'silu' (SwiGLU)")
     _validate_attention(c)
-    if c.attention_bias:
-        _fail("attention_bias (True) is not supported: DeepSeek projections have no bias")
+    if c.attention_bias and c.attention_type == "mla":
+        _fail("attention_bias (True) needs attention_type 'gqa': MLA's projections have no bias")
     if c.loss_chunk is not None and c.loss_chunk < 1:
         _fail(f"loss_chunk ({c.loss_chunk}) must be >= 1, or None for one pass")
     for name, allowed in (
@@ -360,11 +413,32 @@ def _validate_attention(c: DeepSeekV3Config) -> None:
     for name in ("num_key_value_heads", "head_dim", "sliding_window"):
         if getattr(c, name) is not None and getattr(c, name) < 1:
             _fail(f"{name} ({getattr(c, name)}) must be >= 1, or None")
+    if c.swiglu_limit is not None and not 0 < c.swiglu_limit < math.inf:
+        _fail(f"swiglu_limit ({c.swiglu_limit}) must be > 0 and finite, or None")
+    if not 0 < c.swiglu_alpha < math.inf:
+        _fail(f"swiglu_alpha ({c.swiglu_alpha}) must be > 0 and finite")
+    if c.moe_weights_before_down and (c.experts_bias or c.swiglu_limit is not None):
+        _fail("moe_weights_before_down needs experts_bias False and swiglu_limit None")
+    if c.attention_sinks and c.attention_impl != "xla":
+        _fail(f"attention_sinks need attention_impl 'xla', not {c.attention_impl!r}")
     if c.attention_type == "mla":
         for name, default in (("qk_norm", "none"), ("sliding_window", None)):
             if getattr(c, name) != default:
                 _fail(f"{name} ({getattr(c, name)!r}) needs attention_type 'gqa'")
+        for name in ("layer_types", "attention_sinks"):
+            if getattr(c, name) != GQA_FIELDS[name]:
+                _fail(f"{name} ({getattr(c, name)!r}) needs attention_type 'gqa'")
         return
+    if c.layer_types is not None:
+        if len(c.layer_types) != c.num_hidden_layers or set(c.layer_types) - set(LAYER_TYPES):
+            _fail(
+                f"layer_types ({list(c.layer_types)}) must name one of {LAYER_TYPES} for each "
+                f"of the num_hidden_layers ({c.num_hidden_layers}) layers"
+            )
+        if "sliding_attention" in c.layer_types and c.sliding_window is None:
+            _fail("layer_types has sliding_attention layers: sliding_window must be set")
+        if c.attention_impl != "xla":
+            _fail(f"layer_types need attention_impl 'xla', not {c.attention_impl!r}")
     if c.num_attention_heads % c.kv_heads:
         _fail(
             f"num_attention_heads ({c.num_attention_heads}) must be a multiple of "

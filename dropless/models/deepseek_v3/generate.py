@@ -33,7 +33,7 @@ from dropless.models.deepseek_v3.kv_cache import (
     cached_attention,
     init_cache,
 )
-from dropless.models.deepseek_v3.model import DeepSeekV3, check_tokens
+from dropless.models.deepseek_v3.model import DeepSeekV3, check_tokens, split_windows
 from dropless.moe import MoE
 
 MIN_BUCKET = 16
@@ -54,8 +54,9 @@ def _ffn(block, h: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim
     return y.reshape(batch, seq, dim).astype(h.dtype)
 
 
-def _run_stack(stack, cache: LatentCache | HeadCache | None, h, positions, start):
-    """The stacked blocks over `h`, each writing its layer of `cache` at `start` first."""
+def _run_stack(stack, cache: LatentCache | HeadCache | None, h, positions, start, windows=None):
+    """The stacked blocks over `h`, each writing its layer of `cache` at `start` first;
+    `windows`: each layer's attention window (`split_windows`), or None."""
     if stack is None:
         return h, cache
     arrays, static = eqx.partition(stack, eqx.is_array)
@@ -63,15 +64,16 @@ def _run_stack(stack, cache: LatentCache | HeadCache | None, h, positions, start
 
     def body(carry, xs):
         h, cache = carry
-        layer_arrays, i = xs
+        layer_arrays, i, window = xs
         block = eqx.combine(layer_arrays, static)
         out, cache = cached_attention(
-            block.self_attn, block.input_layernorm(h), positions, cache, i, start
+            block.self_attn, block.input_layernorm(h), positions, cache, i, start, window
         )
         h = h + out
         return (h + _ffn(block, h), cache), None
 
-    xs = (arrays, jnp.arange(n, dtype=jnp.int32))
+    windows = None if windows is None else jnp.asarray(windows, jnp.int32)
+    xs = (arrays, jnp.arange(n, dtype=jnp.int32), windows)
     (h, cache), _ = jax.lax.scan(body, (h, cache), xs)
     return h, cache
 
@@ -83,8 +85,9 @@ def _hidden(
     start = jnp.asarray(start, jnp.int32)
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     h = jnp.take(model.embed_tokens, tokens, axis=0).astype(model.config.compute_jnp_dtype)
-    h, dense = _run_stack(model.dense_layers, cache.dense, h, positions, start)
-    h, moe = _run_stack(model.moe_layers, cache.moe, h, positions, start)
+    dense_windows, moe_windows = split_windows(model.config)
+    h, dense = _run_stack(model.dense_layers, cache.dense, h, positions, start, dense_windows)
+    h, moe = _run_stack(model.moe_layers, cache.moe, h, positions, start, moe_windows)
     return model.norm(h), KVCache(dense, moe)
 
 

@@ -129,10 +129,11 @@ def cached_attention(
     cache: LatentCache | HeadCache,
     layer: Int[Array, ""],
     start: Int[Array, ""],
+    window: Int[Array, ""] | None = None,
 ) -> tuple[Float[Array, "batch seq dim"], LatentCache | HeadCache]:
     """`attn`'s output for `x` at `positions` (= start, start + 1, ...), attending to every
-    cached position at or before each query's, and `cache` (a whole stack's) with `x`'s
-    entries written into layer `layer` first."""
+    cached position at or before each query's (within `window`, for GQA, if given), and
+    `cache` (a whole stack's) with `x`'s entries written into layer `layer` first."""
 
     def write(buf, new):  # into the stack's buffer, which a scan carries: in place
         at = (layer, jnp.int32(0), start) + (jnp.int32(0),) * (buf.ndim - 3)
@@ -143,7 +144,7 @@ def cached_attention(
         cache = HeadCache(write(cache.k, k), write(cache.v, v))
         keys = jnp.arange(cache.k.shape[2])
         k, v = cache.k[layer].astype(x.dtype), cache.v[layer].astype(x.dtype)
-        return attn.attend(q, k, v, positions, keys), cache
+        return attn.attend(q, k, v, positions, keys, window), cache
     latent, k_rope = latent_kv(attn, x, positions)
     cache = LatentCache(write(cache.latent, latent), write(cache.k_rope, k_rope))
     out = absorbed_attention(attn, x, positions, cache.latent[layer], cache.k_rope[layer])

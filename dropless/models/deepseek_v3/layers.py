@@ -12,11 +12,12 @@ layer's FSDP-sharded weights at a time, inside the loop.
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from dropless.backends import Backend
@@ -123,6 +124,8 @@ def make_attention(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> MLA | GQA:
             c.gqa_head_dim,
             qk_norm=c.qk_norm,
             window=c.sliding_window,
+            bias=c.attention_bias,
+            sinks=c.attention_sinks,
             eps=c.rms_norm_eps,
             impl=c.attention_impl,
             dtype=dt,
@@ -167,6 +170,9 @@ def make_block(
             n_zero_experts=c.n_zero_experts,
             zero_output=c.zero_expert_output,
             active_experts=c.zero_expert_active,
+            experts_bias=c.experts_bias,
+            swiglu_limit=c.swiglu_limit,
+            swiglu_alpha=c.swiglu_alpha,
             key=k_mlp,
             **moe_strategies(backend),
         )
@@ -205,12 +211,14 @@ def scan_blocks(
     remat: str = "none",
     unroll: bool = False,
     *,
+    windows: Sequence[int] | None = None,
     return_routing: bool = False,
     replay: Int[Array, "layers tokens k"] | None = None,
 ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
     """Applies the stacked blocks in order; MoE stats come back with a leading `layers` axis
     (with each layer's routing under `return_routing`; `replay` gives each MoE layer the
-    expert choice recorded so).
+    expert choice recorded so). `windows`: each layer's attention window
+    (`DeepSeekV3Config.layer_windows`), scanned with the layers; None: their own.
     `unroll` emits every layer inline instead of a loop (`unrolled_scan`): per-layer residuals
     are then separate buffers rather than slices written into and read from stacks. The
     stacked matmul weights pass `matmul_weights_cast` first (see the comment below)."""
@@ -227,18 +235,19 @@ def scan_blocks(
     arrays = matmul_weights_cast(arrays, x.dtype if REMAT[remat] is None else None)
 
     def body(h, xs):
-        layer_arrays, ids = xs
-        layer_arrays = whole_layer(layer_arrays, h.dtype)
-        return eqx.combine(layer_arrays, static)(h, return_routing=return_routing, replay=ids)
+        layer_arrays, window, ids = xs
+        block = eqx.combine(whole_layer(layer_arrays, h.dtype), static)
+        return block(h, window=window, return_routing=return_routing, replay=ids)
 
     if REMAT[remat] is not None:
         # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE.
         # Unrolled, the layers are straight-line code: without it XLA could merge the
         # recomputation with the forward, and remat would save nothing.
         body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=unroll)
+    xs = (arrays, None if windows is None else jnp.asarray(windows, jnp.int32), replay)
     if unroll:
-        return unrolled_scan(body, x, (arrays, replay))
-    return jax.lax.scan(body, x, (arrays, replay))
+        return unrolled_scan(body, x, xs)
+    return jax.lax.scan(body, x, xs)
 
 
 def matmul_weights_cast(arrays: eqx.Module, dtype=None) -> eqx.Module:

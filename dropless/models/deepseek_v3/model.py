@@ -182,8 +182,11 @@ class DeepSeekV3(eqx.Module):
         MoE stats): the fields of ModelOutput, or of ModelFeatures when `head` is the
         identity."""
         c = self.config
+        dense_windows, moe_windows = split_windows(c)
         with jax.named_scope("dense_layers"):
-            h, _ = scan_blocks(self.dense_layers, emb, c.remat, c.unroll_layers)
+            h, _ = scan_blocks(
+                self.dense_layers, emb, c.remat, c.unroll_layers, windows=dense_windows
+            )
         main_ids, mtp_ids = (None, None) if replay is None else replay
         with jax.named_scope("moe_layers"):
             h, stats = scan_blocks(
@@ -191,6 +194,7 @@ class DeepSeekV3(eqx.Module):
                 h,
                 c.remat,
                 c.unroll_layers,
+                windows=moe_windows,
                 return_routing=return_routing,
                 replay=main_ids,
             )
@@ -221,6 +225,17 @@ def recorded_routing(out: ModelOutput | ModelFeatures) -> RoutingReplay:
     if main is None:
         raise ValueError("recorded_routing: the output holds no routing; call with return_routing")
     return main, (mtp if mtp is not None and mtp.shape[0] else None)
+
+
+def split_windows(
+    config: DeepSeekV3Config,
+) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """The dense and the MoE layers' attention windows (`layer_windows`), or (None, None)."""
+    windows = config.layer_windows()
+    if windows is None:
+        return None, None
+    k = config.first_k_dense_replace
+    return windows[:k], windows[k:]
 
 
 def _empty_stats(config: DeepSeekV3Config, tokens: int, seq: int, return_routing: bool) -> MoEStats:

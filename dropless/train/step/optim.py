@@ -25,7 +25,7 @@ EXPERT_BIAS = "expert_bias"
 
 # Attribute names whose arrays get no weight decay, whatever their rank (stacked layers make a
 # norm's weight 2-D, so the rank alone cannot tell).
-_NO_DECAY_NAMES = ("norm", "bias")
+_NO_DECAY_NAMES = ("norm", "bias", "sinks")
 
 
 def attribute_names(path) -> list[str]:

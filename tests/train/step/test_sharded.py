@@ -156,14 +156,21 @@ def test_sharded_step_keeps_parameter_dtypes():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("preset", "unroll"),
-    [("tiny", False), ("tiny", True), ("qwen3-moe-tiny", False), ("olmoe-tiny", False)],
-    ids=["scan", "unrolled", "qwen3-moe", "olmoe"],
+    [
+        ("tiny", False),
+        ("tiny", True),
+        ("qwen3-moe-tiny", False),
+        ("olmoe-tiny", False),
+        ("gpt-oss-tiny", True),
+    ],
+    ids=["scan", "unrolled", "qwen3-moe", "olmoe", "gpt-oss-unrolled"],
 )
 def test_tiny_sharded_gradient_step_equals_unsharded(preset, unroll):
     # Unrolled: two MoE layers, so that their stacks are split and their gradients written
     # back slice by slice. The reference runs the same split, so this checks the sharded
     # layout (on a CPU the gradient buffer starts as zeros, not uninitialised). The other
-    # families: grouped-query attention's weights sharded as well.
+    # families: grouped-query attention's weights sharded as well; gpt-oss's biases and sinks,
+    # and its layers' windows split with the unrolled layers.
     n_layers = 3 if unroll else 2
     config = get_any_preset(
         preset, num_hidden_layers=n_layers, num_nextn_predict_layers=0, unroll_layers=unroll

@@ -286,8 +286,7 @@ def _read(
                 a = ckpt.array(t.name)
                 if scale is not None:
                     a = dequantize_fp8(a, ckpt.array(scale), fp8_block)
-                parts = np.split(a, len(t.slots), axis=-2) if len(t.slots) > 1 else [a]
-                for slot, part in zip(t.slots, parts, strict=True):
+                for slot, part in zip(t.slots, t.split(a), strict=True):
                     arrays[slot.leaf][slot.index] = (
                         np.swapaxes(part, -1, -2) if slot.transpose else part
                     )

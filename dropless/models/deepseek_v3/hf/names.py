@@ -13,7 +13,9 @@ every tensor of a DeepSeek-V2/V3 checkpoint (the names of DeepSeek's release:
 leaf path (`moe_layers.mlp.experts.w_gate`), leading indices into it (layer, expert) and whether
 Hugging Face stores it transposed ([out in] where dropless stores [in out]). A tensor with
 several slots is their concatenation along axis -2: the fused `mlp.experts.gate_up_proj`
-[experts 2*hidden dim] that recent `transformers` writes.
+[experts 2*hidden dim] that recent `transformers` writes; or, marked `interleave`, their
+columns interleaved along the last axis: gpt-oss's `gate_up_proj` [experts dim 2*hidden]
+(gate, up, gate, ...) and its bias.
 """
 
 import dataclasses
@@ -24,6 +26,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.models.deepseek_v3.model import DeepSeekV3
@@ -59,7 +62,8 @@ class HFTensor:
 
     `duplicate`: a copy of a tensor listed elsewhere (an MTP module's `embed_tokens` and
     `shared_head.head`, a tied `lm_head`); import checks its shape but does not read it, and it
-    is optional. `write`: export writes it.
+    is optional. `write`: export writes it. `interleave`: the slots' columns alternate along
+    the last axis instead.
     """
 
     name: str
@@ -67,9 +71,31 @@ class HFTensor:
     slots: tuple[Slot, ...]
     duplicate: bool = False
     write: bool = True
+    interleave: bool = False
+
+    def split(self, a: Any) -> list[Any]:
+        """The parts of the tensor `a` that fill the slots, in slot order (still in the
+        checkpoint's layout: transposed where a slot says)."""
+        n = len(self.slots)
+        if n == 1:
+            return [a]
+        if self.interleave:
+            return [a[..., i::n] for i in range(n)]
+        return np.split(a, n, axis=-2)
+
+    def join(self, parts: list[Any]) -> Any:
+        """The tensor from its parts, the inverse of `split` (numpy arrays)."""
+        if len(parts) == 1:
+            return parts[0]
+        if self.interleave:
+            stacked = np.stack(parts, axis=-1)
+            return stacked.reshape(*stacked.shape[:-2], -1)
+        return np.concatenate(parts, axis=-2)
 
 
-def _shape(slots: tuple[Slot, ...], leaves: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+def _shape(
+    slots: tuple[Slot, ...], leaves: Mapping[str, tuple[int, ...]], interleave: bool = False
+) -> tuple[int, ...]:
     parts = []
     for s in slots:
         part = leaves[s.leaf][len(s.index) :]
@@ -79,6 +105,8 @@ def _shape(slots: tuple[Slot, ...], leaves: Mapping[str, tuple[int, ...]]) -> tu
     if len(parts) == 1:
         return tuple(parts[0])
     first = parts[0]
+    if interleave:
+        return (*first[:-1], sum(p[-1] for p in parts))
     return (*first[:-2], sum(p[-2] for p in parts), first[-1])
 
 
@@ -98,8 +126,11 @@ def tensor_table(
     """
     table: dict[str, HFTensor] = {}
 
-    def add(name: str, *slots: Slot, duplicate: bool = False, write: bool = True) -> None:
-        table[name] = HFTensor(name, _shape(slots, leaves), slots, duplicate, write)
+    def add(
+        name: str, *slots: Slot, duplicate: bool = False, write: bool = True, interleave=False
+    ) -> None:
+        shape = _shape(slots, leaves, interleave)
+        table[name] = HFTensor(name, shape, slots, duplicate, write, interleave)
 
     def block(hf: str, stack: str, index: tuple[int, ...], layer: int) -> None:
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -111,7 +142,16 @@ def tensor_table(
             if f"{stack}.self_attn.{norm}.weight" in leaves:
                 leaf = f"{stack}.self_attn.{norm}.weight"
                 add(f"{hf}.self_attn.{norm}.weight", Slot(leaf, index, False))
+        for proj in ("q", "k", "v", "o"):
+            if f"{stack}.self_attn.{proj}_bias" in leaves:
+                bias = Slot(f"{stack}.self_attn.{proj}_bias", index, False)
+                add(f"{hf}.self_attn.{proj}_proj.bias", bias)
+        if f"{stack}.self_attn.sinks" in leaves:
+            add(f"{hf}.self_attn.sinks", Slot(f"{stack}.self_attn.sinks", index, False))
         mlp = f"{stack}.mlp"
+        if config.model_type == "gpt_oss" and f"{mlp}.experts.w_gate" in leaves:
+            _gpt_oss_moe(add, hf, mlp, index)
+            return
         if f"{mlp}.w_gate" in leaves:  # dense SwiGLU
             for name, w in _SWIGLU:
                 add(f"{hf}.mlp.{name}.weight", Slot(f"{mlp}.{w}", index, True))
@@ -165,6 +205,22 @@ def tensor_table(
             add(f"{hf}.embed_tokens.weight", Slot("embed_tokens", (), False), duplicate=True)
             add(f"{hf}.shared_head.head.weight", head, duplicate=True)
     return table
+
+
+def _gpt_oss_moe(add, hf: str, mlp: str, index: tuple[int, ...]) -> None:
+    """gpt-oss's MoE tensors: a router with a bias, and the experts fused, [in out], gate and up
+    interleaved, with biases."""
+    add(f"{hf}.mlp.router.weight", Slot(f"{mlp}.router.w_router", index, False))
+    add(f"{hf}.mlp.router.bias", Slot(f"{mlp}.router.logit_bias", index, False))
+    experts = f"{mlp}.experts"
+
+    def pair(a: str, b: str) -> tuple[Slot, Slot]:
+        return Slot(f"{experts}.{a}", index, False), Slot(f"{experts}.{b}", index, False)
+
+    add(f"{hf}.mlp.experts.gate_up_proj", *pair("w_gate", "w_up"), interleave=True)
+    add(f"{hf}.mlp.experts.gate_up_proj_bias", *pair("gate_bias", "up_bias"), interleave=True)
+    add(f"{hf}.mlp.experts.down_proj", Slot(f"{experts}.w_down", index, False))
+    add(f"{hf}.mlp.experts.down_proj_bias", Slot(f"{experts}.down_bias", index, False))
 
 
 def check_coverage(table: Mapping[str, HFTensor], leaves: Mapping[str, tuple[int, ...]]) -> None:

@@ -62,8 +62,7 @@ def _export(t: HFTensor, leaves: Mapping[str, Any]) -> np.ndarray:
     for s in t.slots:
         a = _host(leaves[s.leaf], s.index)
         parts.append(np.swapaxes(a, -1, -2) if s.transpose else a)
-    out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2)
-    return np.ascontiguousarray(out)
+    return np.ascontiguousarray(t.join(parts))
 
 
 def _shards(sizes: list[tuple[str, int]], limit: int) -> list[list[str]]:
