@@ -328,6 +328,8 @@ def test_replay_keeps_the_router_differentiable_and_checks_shapes():
     np.testing.assert_array_equal(router(x, ids).expert_ids, ids)
     with pytest.raises(ValueError, match="replayed expert_ids"):
         router(x, ids[:, :1])
+
+
 def test_router_bias_is_part_of_the_logits():
     """gpt-oss's router: logits = x W^T + b, so the bias moves selection and weights, and it
     gets a gradient (unlike the selection-only expert bias)."""

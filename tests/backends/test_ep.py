@@ -442,6 +442,8 @@ def test_zero_computation_experts_are_not_exchanged(exchange, monkeypatch):
             assert float(st_.tokens_per_expert.sum()) == 0.0
             kept = moe.router(x).weights.sum(-1, keepdims=True)
             assert_close(y, kept * x)  # no shared expert here
+
+
 def test_ep_matches_single_device_with_gpt_oss_experts():
     """gpt-oss's MoE (a router bias, expert biases, the clamped SwiGLU): each device holds its
     experts' biases with their weights, and the layer equals one device's."""
