@@ -147,6 +147,7 @@ def main():
     command = ["python benchmarks/bench_fsdp_memory.py", "--model", args.model]
     command += ["--layers", args.layers, "--meshes"]
     meta = {
+        "benchmark": "bench_fsdp_memory.py (sharded step temp memory vs depth)",
         "machine": machine(),
         "commit": commit,
         "label": args.label,

@@ -71,7 +71,12 @@ def main():
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
-    meta = {"machine": machine(), "command": "python benchmarks/plan_671b.py", "commit": commit}
+    meta = {
+        "benchmark": "plan_671b.py (dropless plan for DeepSeek-V3 671B)",
+        "machine": machine(),
+        "command": "python benchmarks/plan_671b.py",
+        "commit": commit,
+    }
     write_results(args.out, "plan_671b", rows, meta)
 
 

@@ -65,6 +65,7 @@ def main():
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
     meta = {
+        "benchmark": "experiments/bf16_weights.py (bf16 weights vs float32, default run)",
         "machine": machine(),
         "commit": commit,
         "command": f"python experiments/bf16_weights.py --steps {args.steps}",

@@ -499,7 +499,7 @@ def test_bench_train_set_reads_values_as_the_cli_does(monkeypatch):
     items = ["num_attention_heads=8", "q_lora_rank=None", "rope_theta=1e4"]
     config = bench_train.with_overrides(get_preset("tiny"), items)
     assert (config.num_attention_heads, config.q_lora_rank, config.rope_theta) == (8, None, 1e4)
-    with pytest.raises(ValueError, match=r"unknown field\(s\) num_attention_head;"):
+    with pytest.raises(ValueError, match=r"unknown field\(s\) num_attention_head \(did you mean"):
         bench_train.with_overrides(get_preset("tiny"), ["num_attention_head=8"])
     with pytest.raises(ValueError, match=r"--set 'model.heads': expected"):
         bench_train.with_overrides(get_preset("tiny"), ["heads"])

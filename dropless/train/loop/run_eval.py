@@ -119,16 +119,17 @@ class ConsecutiveWindows(AbstractDataset):
     source: TokenFile
     first: int = 0
 
-    def batch(
-        self, step: int, *, seed: int, batch_size: int, seq_len: int, split: str = "train"
+    def batch_rows(
+        self, step: int, rows: slice, *, seed: int, batch_size: int, seq_len: int, split: str
     ) -> Batch:
         begin = self.source.start + (self.first + step * batch_size) * seq_len
-        rows = [
+        picked = range(batch_size)[rows]
+        windows = [
             np.asarray(self.source.tokens[begin + j * seq_len : begin + (j + 1) * seq_len + 1])
-            for j in range(batch_size)
+            for j in picked
         ]
-        tokens = np.stack(rows).astype(np.int32)
-        return Batch(tokens=tokens, language=np.full((batch_size,), -1, np.int32))
+        tokens = np.stack(windows).astype(np.int32)
+        return Batch(tokens=tokens, language=np.full((len(picked),), -1, np.int32))
 
 
 def _whole_split(

@@ -88,14 +88,19 @@ def cuda_plugin_version() -> str | None:
     return None
 
 
+def _plugin_module() -> bool:
+    """Whether the plugin's module imports (`jax_plugins` itself exists only with a plugin)."""
+    try:
+        return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+    except ModuleNotFoundError:
+        return False
+
+
 def check_plugin() -> None:
     """`PluginMissingError`, with the one-line fix, unless the CUDA PJRT plugin is installed
     at jax's version."""
     plugin = cuda_plugin_version()
-    cuda = importlib.util.find_spec("jax_plugins.xla_cuda12") or importlib.util.find_spec(
-        "jax_plugins.xla_cuda13"
-    )
-    if plugin is None or cuda is None or plugin != jax.__version__:
+    if plugin is None or not _plugin_module() or plugin != jax.__version__:
         found = f"found {plugin}" if plugin else "none installed"
         raise PluginMissingError(
             f"--compile needs JAX's CUDA PJRT plugin at jax's version {jax.__version__} "

@@ -193,7 +193,8 @@ def total_loss(
         + weights["mtp_loss_weight"] * terms["mtp"]
         + weights["balance_loss_coef"] * terms["balance_loss"]
         + weights["seq_balance_loss_coef"] * terms["seq_balance_loss"]
-        + weights["global_balance_loss_coef"] * terms["global_balance_loss"]
+        # present once `weighted_loss` has the loads it needs
+        + weights["global_balance_loss_coef"] * terms.get("global_balance_loss", 0.0)
         + weights["z_loss_coef"] * terms["z_loss"]
     )
 

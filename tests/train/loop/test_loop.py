@@ -202,7 +202,7 @@ class SignalAt(Callback):
     ],
 )
 def test_a_signal_at_any_moment_of_the_steps_ends_with_the_step_saved(
-    tmp_path, signum, moment, saved
+    tmp_path, config, signum, moment, saved
 ):
     """Issue 53 rows 2 and 3: the process's own handler (here one that records) never sees
     the signal, the run stops with its newest step saved, and says which signal it was."""

@@ -83,9 +83,9 @@ def test_train_step_in_micro_batches_matches_one_pass(monkeypatch):
 
     passes = []
 
-    def spy(value_and_grad, micro_batches):
+    def spy(value_and_grad, micro_batches, **kwargs):
         passes.append(micro_batches)
-        return accumulated(value_and_grad, micro_batches)
+        return accumulated(value_and_grad, micro_batches, **kwargs)
 
     monkeypatch.setattr(step_module, "accumulated", spy)
 
