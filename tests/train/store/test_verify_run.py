@@ -1,7 +1,5 @@
 """`verify_run` (`dropless verify RUN`): config, checkpoint digests, data identity."""
 
-import argparse
-
 import numpy as np
 import pytest
 from test_run_dir import saved_run  # a run written without training
@@ -27,7 +25,7 @@ def test_verify_lists_every_check_and_finds_each_fault(tmp_path, capsys):
     tokens = np.fromfile(data / "train.bin", np.uint16)
     tokens[0] = (tokens[0] + 1) % 200
     tokens.tofile(data / "train.bin")
-    args = argparse.Namespace(run_dir=str(run), data_hashes=True)
+    args = verify.VerifyCommand(run_dir=str(run), data_hashes=True)
     assert verify.run(args) == 1
     failed = [line for line in capsys.readouterr().out.splitlines() if "  FAIL  " in line]
     assert [line.split()[:2] for line in failed] == [["checkpoint", "4"], ["data", "FAIL"]]
