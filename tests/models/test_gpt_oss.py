@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from test_hf_family import assert_matches_reference  # the families' parity check
 
 from dropless import get_backend, with_backend
 from dropless.models import get_preset
-from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, to_hf
+from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.models.deepseek_v3.hf import from_pretrained, save_pretrained
 from dropless.models.deepseek_v3.params import count_params
 from dropless.train import weight_decay_mask
@@ -127,18 +128,7 @@ def test_logits_loss_and_gradients_match_transformers(parity):
     ref, model = parity
     c = model.config
     assert c.model_type == "gpt_oss" and c.attention_sinks and c.router_bias and c.experts_bias
-    tokens = jnp.asarray(ref.tokens.numpy())
-    logits = eqx.filter_jit(lambda m, t: m(t).logits)(model, tokens)
-    assert rel_err(logits, ref.logits) <= RTOL
-    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, tokens)
-    assert abs(float(loss) - ref.loss) <= 1e-5 * ref.loss
-    ours = to_hf(grads)
-    assert sorted(ours) == sorted(ref.grads)
-    largest = max(float(np.max(np.abs(g))) for g in ref.grads.values())
-    for name, g in ref.grads.items():
-        assert ours[name].shape == g.shape, name
-        scale = max(float(np.max(np.abs(g))), 1e-3 * largest)
-        assert float(np.max(np.abs(ours[name] - g))) <= RTOL * scale, name
+    assert_matches_reference(ref, model)
 
 
 def test_export_round_trip_is_exact(parity, tmp_path):

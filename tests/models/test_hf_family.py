@@ -181,7 +181,11 @@ def parity(request, tmp_path_factory):
 
 
 def test_logits_loss_and_gradients_match_transformers(parity):
-    ref, model = parity
+    assert_matches_reference(*parity)
+
+
+def assert_matches_reference(ref, model):
+    """Logits, loss and every parameter's gradient of `model` equal transformers' (`ref`)."""
     tokens = jnp.asarray(ref.tokens.numpy())
     logits = eqx.filter_jit(lambda m, t: m(t).logits)(model, tokens)
     assert rel_err(logits, ref.logits) <= RTOL
