@@ -147,7 +147,7 @@ def _launch(
 
                 def mma(_, lhs_smem, rhs_smem, acc):
                     if transpose_rhs:
-                        rhs_half = plgpu.transpose_ref(rhs_smem.at[wg_cols, :], (1, 0))
+                        rhs_half = rhs_smem.at[wg_cols, :].transpose((1, 0))
                     else:
                         rhs_half = rhs_smem.at[:, wg_cols]
                     plgpu.wgmma(acc, lhs_smem, rhs_half)

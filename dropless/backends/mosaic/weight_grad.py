@@ -179,7 +179,7 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
                 half = lhs_smem.at[:, wg_rows]
                 row0 = (first_chunk + idx[0]) * c.tile_k
                 _mask_rows(half, start - row0, end - row0, c.tile_k, c.tile_m, dtype)
-                plgpu.wgmma(acc, plgpu.transpose_ref(half, (1, 0)), grad_smem)
+                plgpu.wgmma(acc, half.transpose((1, 0)), grad_smem)
                 plgpu.wgmma_wait(0)
                 return acc
 
@@ -248,7 +248,7 @@ def _launch_segmented_weight_grad(bounds, first_groups, lhs, grad, c: WeightGrad
 
                 @pl.when(inside)
                 def _():
-                    plgpu.wgmma(acc, plgpu.transpose_ref(half, (1, 0)), grad_smem)
+                    plgpu.wgmma(acc, half.transpose((1, 0)), grad_smem)
                     plgpu.wgmma_wait(0)
 
                 # Otherwise the rows are split between groups: keep a copy to mask from.
@@ -261,7 +261,7 @@ def _launch_segmented_weight_grad(bounds, first_groups, lhs, grad, c: WeightGrad
                     def _():
                         half[...] = x * ((row >= first) & (row < end)).astype(dtype)
                         plgpu.commit_smem()
-                        plgpu.wgmma(acc, plgpu.transpose_ref(half, (1, 0)), grad_smem)
+                        plgpu.wgmma(acc, half.transpose((1, 0)), grad_smem)
                         plgpu.wgmma_wait(0)
 
                 def ends_here(loop):

@@ -311,7 +311,7 @@ def test_fresh_state_is_made_sharded():
     """`init_sharded_state`: every array of a fresh state (bf16 weights with float32 master
     weights, so that every part is there) is placed on the mesh as `state_shardings` says, the
     moments like their parameters; the compiled initialisation writes each device's shards and
-    no more; the values are the unsharded `init_state`'s."""
+    needs under half the memory of the whole one; the values are the unsharded `init_state`'s."""
     config = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0, hidden_size=256)
     train_config = TrainConfig(weight_dtype="bfloat16")
     mesh = sharding.make_mesh(fsdp=4, expert=2)
@@ -346,7 +346,12 @@ def test_fresh_state_is_made_sharded():
     whole = sum(a.nbytes for a in jax.tree.leaves(arrays))
     assert per_device < whole / 2  # the sharded arrays are most of the state
     assert abs(memory.output_size_in_bytes - per_device) <= 0.01 * per_device
-    assert memory.output_size_in_bytes + memory.temp_size_in_bytes < whole / 2
+    # the whole initialisation on one device, compiled by the same XLA (whose temporaries
+    # differ between versions): the sharded one needs under half its peak
+    alone = jax.jit(lambda: eqx.filter(init_state(make(), train_config), eqx.is_array))
+    alone = alone.lower().compile().memory_analysis()
+    peak = memory.output_size_in_bytes + memory.temp_size_in_bytes
+    assert peak < (alone.output_size_in_bytes + alone.temp_size_in_bytes) / 2
 
     # eager on one device: equal up to rounding that XLA fuses differently (which can tip a
     # bf16 weight by one bf16 ulp)
