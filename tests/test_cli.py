@@ -487,7 +487,7 @@ def test_presets_lists_sizes(capsys):
     assert rows["olmoe-1b-7b"][:3] == ["olmoe", "6.9B", "1.3B"]
     # 3.6B published: its active count leaves out the 0.58B embedding table
     assert rows["gpt-oss-20b"][:3] == ["gpt_oss", "20.9B", "4.2B"]
-    assert rows["kimi-k2"][:3] == ["deepseek_v3", "1.03T", "32.9B"]
+    assert rows["kimi-k2"][:3] == ["kimi_k2", "1.03T", "32.9B"]
 
 
 @pytest.mark.slow

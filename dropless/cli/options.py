@@ -57,8 +57,8 @@ MODEL_HELP = {
     "chunks never hold the whole float32 logits.",
     "logits_dtype": "What the vocabulary head writes: 'float32' or 'bfloat16' (the loss reduces "
     "in float32 either way).",
-    "model_type": "Hugging Face family of the checkpoints: 'deepseek_v3', 'qwen3_moe', "
-    "'mixtral', 'olmoe' or 'gpt_oss'.",
+    "model_type": "Hugging Face family of the checkpoints: 'deepseek_v3', 'kimi_k2', "
+    "'qwen3_moe', 'mixtral', 'olmoe' or 'gpt_oss'.",
     "num_key_value_heads": "GQA: key-value heads (None: one per query head).",
     "head_dim": "GQA: width of each head (None: hidden_size / num_attention_heads).",
     "sliding_window": "GQA: positions each query sees, itself included (None: all before it).",

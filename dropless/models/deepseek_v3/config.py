@@ -41,7 +41,10 @@ GQA_FIELDS: dict[str, Any] = {
 }
 # The other Hugging Face families a config maps to, by model type (`dropless.models.hf_family`).
 FAMILIES = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, OLMOE, GPT_OSS)}
-MODEL_TYPES = ("deepseek_v3", *FAMILIES)
+# The model types whose config.json is DeepSeek-V3's: Kimi K2 names its own type, its
+# architecture and every key DeepSeek-V3's.
+MLA_TYPES = ("deepseek_v3", "kimi_k2")
+MODEL_TYPES = (*MLA_TYPES, *FAMILIES)
 
 # Settings that are dropless's own (not in a Hugging Face config.json).
 DROPLESS_FIELDS = (
@@ -84,9 +87,10 @@ class DeepSeekV3Config:
     `num_key_value_heads` and `head_dim`, None for one per query head and hidden_size /
     num_attention_heads; `qk_norm` "none" | "head" | "full"; `sliding_window`), as in the
     Qwen3-MoE, Mixtral and OLMoE families; `model_type` names the Hugging Face family whose
-    checkpoints the config maps to ("deepseek_v3", "qwen3_moe", "mixtral", "olmoe", "gpt_oss":
-    `dropless.models.hf_family`). gpt-oss adds `layer_types` (per layer "sliding_attention",
-    which uses `sliding_window`, or "full_attention"; None: every layer uses `sliding_window`),
+    checkpoints the config maps to ("deepseek_v3" or "kimi_k2", whose config.json is
+    DeepSeek-V3's; "qwen3_moe", "mixtral", "olmoe", "gpt_oss": `dropless.models.hf_family`).
+    gpt-oss adds `layer_types` (per layer "sliding_attention", which uses `sliding_window`, or
+    "full_attention"; None: every layer uses `sliding_window`),
     `attention_bias` (GQA's projections), `attention_sinks` (a learnt sink logit per head),
     `router_bias`, `experts_bias` (the routed experts' projections) and `swiglu_limit` (None,
     or the clamped SwiGLU with `swiglu_alpha`).
@@ -272,7 +276,8 @@ class DeepSeekV3Config:
     # --- Hugging Face config.json --------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], **overrides: Any) -> "DeepSeekV3Config":
-        """From a Hugging Face config dict (DeepSeek-V2 or V3); unknown keys are ignored.
+        """From a Hugging Face config dict (DeepSeek-V2/V3, Kimi K2 or a family of `FAMILIES`);
+        unknown keys are ignored.
 
         `overrides` set any field, e.g. the dropless settings, which config.json does not hold.
         """
@@ -281,7 +286,7 @@ class DeepSeekV3Config:
             values = FAMILIES[model_type].from_hf(hf)
         else:
             values = dict(_V2_DEFAULTS) if model_type == "deepseek_v2" else {}
-            values.update(hf, model_type="deepseek_v3")
+            values.update(hf, model_type=model_type if model_type in MLA_TYPES else "deepseek_v3")
             for name in GQA_FIELDS:
                 values.pop(name, None)  # MLA's heads: not grouped-query attention's fields
         if "rope_parameters" in values and "rope_scaling" not in values:  # transformers >= 5
@@ -313,14 +318,14 @@ class DeepSeekV3Config:
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face config dict of `model_type`'s family (without dropless's own
         settings)."""
-        if self.model_type != "deepseek_v3":
+        if self.model_type not in MLA_TYPES:
             return FAMILIES[self.model_type].to_hf(self)
         if self.attention_type != "mla":
-            _fail("a deepseek_v3 checkpoint has attention_type 'mla'")
+            _fail(f"a {self.model_type} checkpoint has attention_type 'mla'")
         gqa = ("model_type", *GQA_FIELDS)
         out = {f: getattr(self, f) for f in _names() if f not in DROPLESS_FIELDS + gqa}
         out["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
-        out["model_type"] = "deepseek_v3"
+        out["model_type"] = self.model_type
         out["architectures"] = ["DeepseekV3ForCausalLM"]
         out["num_key_value_heads"] = self.num_attention_heads
         return out

@@ -179,7 +179,8 @@ def deepseek_v3_671b() -> DeepSeekV3Config:
 
 def kimi_k2() -> DeepSeekV3Config:
     """Kimi K2 (Moonshot AI), as in Kimi-K2-Instruct's config.json: DeepSeek-V3's architecture
-    with 384 routed experts (top-8, one group), 64 heads, one dense layer, no MTP."""
+    with 384 routed experts (top-8, one group), 64 heads, one dense layer, no MTP; exported
+    checkpoints say `model_type` "kimi_k2", as Moonshot's do."""
     return deepseek_v3_671b().replace(
         vocab_size=163840,
         num_attention_heads=64,
@@ -192,6 +193,7 @@ def kimi_k2() -> DeepSeekV3Config:
         rope_theta=50000.0,
         rope_scaling={**_V3_YARN, "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0},
         num_nextn_predict_layers=0,
+        model_type="kimi_k2",
     )
 
 

@@ -22,7 +22,15 @@ from tqdm.auto import tqdm
 
 from dropless.files import UnsafeName, inside
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
+SUPPORTED_MODEL_TYPES = (
+    "deepseek_v3",
+    "deepseek_v2",
+    "kimi_k2",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+    "gpt_oss",
+)
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

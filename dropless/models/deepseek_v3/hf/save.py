@@ -17,7 +17,7 @@ import equinox as eqx
 import numpy as np
 from safetensors.numpy import save_file
 
-from dropless.models.deepseek_v3.config import DeepSeekV3Config
+from dropless.models.deepseek_v3.config import MLA_TYPES, DeepSeekV3Config
 from dropless.models.deepseek_v3.hf.files import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -138,7 +138,7 @@ def save_pretrained(
         with open(path / INDEX_NAME, "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
     hf = config.to_hf_dict()
-    if config.model_type == "deepseek_v3" and config.topk_method != "noaux_tc":
+    if config.model_type in MLA_TYPES and config.topk_method != "noaux_tc":
         # transformers' DeepseekV3 always routes the V3 way (sigmoid, bias, top-2 group sums):
         # V2 routing must say deepseek_v2 to be read back as what it is.
         hf["model_type"], hf["architectures"] = "deepseek_v2", ["DeepseekV2ForCausalLM"]
