@@ -2,6 +2,7 @@
 dropless parameter paths and Hugging Face tensor names.
 
 - `files`: config.json, safetensors headers and memory-mapped data, FP8 block dequantisation.
+- `mxfp4`: gpt-oss's MXFP4 experts (`dequantize_mxfp4`).
 - `names`: which checkpoint tensor fills which part of which parameter (`hf_names`,
   `dropless_names`; the table behind both directions).
 - `load`: `from_pretrained` and `config_from_pretrained`.
@@ -10,6 +11,7 @@ dropless parameter paths and Hugging Face tensor names.
 
 from dropless.models.deepseek_v3.hf.files import CheckpointError, dequantize_fp8, iter_checkpoint
 from dropless.models.deepseek_v3.hf.load import config_from_pretrained, from_pretrained
+from dropless.models.deepseek_v3.hf.mxfp4 import dequantize_mxfp4
 from dropless.models.deepseek_v3.hf.names import dropless_names, hf_names
 from dropless.models.deepseek_v3.hf.save import save_pretrained, to_hf
 
@@ -17,6 +19,7 @@ __all__ = [
     "CheckpointError",
     "config_from_pretrained",
     "dequantize_fp8",
+    "dequantize_mxfp4",
     "dropless_names",
     "from_pretrained",
     "hf_names",

@@ -220,15 +220,17 @@ def dequantize_fp8(
 
 
 def fp8_block_size(hf: Mapping[str, Any], where: pathlib.Path) -> tuple[int, int] | None:
-    """The FP8 block size a config.json's `quantization_config` gives (None: not quantised)."""
+    """The FP8 block size a config.json's `quantization_config` gives (None: no FP8)."""
     q = hf.get("quantization_config")
     if not q:
         return None
     method = q.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's experts: `mxfp4`
+        return None
     if method != "fp8":
         raise CheckpointError(
             f"{where}: quantization_config quant_method {method!r} is not supported (only 'fp8' "
-            "with block scales, as DeepSeek releases it)"
+            "with block scales, as DeepSeek releases it, and 'mxfp4', as gpt-oss does)"
         )
     block = tuple(q.get("weight_block_size") or DEFAULT_FP8_BLOCK)
     if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):

@@ -7,7 +7,8 @@ host memory stays near the size of the result. The model skeleton comes from
 `eqx.filter_eval_shape`: no random initialisation is ever allocated. Either a complete model is
 returned or an error raised. Routed experts may be in DeepSeek's per-expert layout or the fused
 one recent `transformers` writes; FP8 weights (float8 with a `weight_scale_inv` per 128x128
-block, as released) are dequantised on load.
+block, as DeepSeek releases them) and MXFP4 ones (`_blocks` and `_scales`, gpt-oss's experts)
+are dequantised on load, tensor by tensor.
 """
 
 import os
@@ -35,6 +36,7 @@ from dropless.models.deepseek_v3.hf.files import (
     progress_bar,
     read_hf_config,
 )
+from dropless.models.deepseek_v3.hf.mxfp4 import dequantize_mxfp4, packed_tensors
 from dropless.models.deepseek_v3.hf.names import (
     FUSED_EXPERTS,
     LAYER,
@@ -46,6 +48,10 @@ from dropless.models.deepseek_v3.hf.names import (
 )
 from dropless.models.deepseek_v3.layers import moe_strategies
 from dropless.models.deepseek_v3.model import DeepSeekV3
+
+# Where a tensor's values come from: None, stored as they are; a name, the `scale_inv` of FP8
+# values; a pair, the MXFP4 `_blocks` and `_scales` that replace the tensor.
+Source = str | tuple[str, str] | None
 
 
 def _param_dtype(dtype: Any, hf: Mapping[str, Any], fp8: bool) -> str:
@@ -60,7 +66,7 @@ def _param_dtype(dtype: Any, hf: Mapping[str, Any], fp8: bool) -> str:
 
 def _config(
     path: pathlib.Path, dtype: Any, overrides: Mapping[str, Any]
-) -> tuple[DeepSeekV3Config, tuple[int, int] | None]:
+) -> tuple[DeepSeekV3Config, tuple[int, int] | None, bool]:
     if "param_dtype" in overrides:
         raise ValueError("param_dtype: pass dtype= (the loaded parameters' dtype) instead")
     hf = read_hf_config(path)
@@ -70,7 +76,8 @@ def _config(
         config = DeepSeekV3Config.from_hf_config(hf, param_dtype=param_dtype, **overrides)
     except (ValueError, TypeError) as err:
         raise CheckpointError(f"{path / CONFIG_NAME}: {err}") from err
-    return config, fp8_block
+    mxfp4 = (hf.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    return config, fp8_block, mxfp4
 
 
 def config_from_pretrained(
@@ -118,15 +125,19 @@ def _plan(
     table: Mapping[str, HFTensor],
     ckpt: Checkpoint,
     fp8_block: tuple[int, int] | None,
+    mxfp4: bool,
     ignore_from_layer: int | None,
     where: pathlib.Path,
-) -> list[tuple[HFTensor, str | None]]:
-    """Checks the files against the table; returns (tensor, its scale_inv name or None) to read,
-    in file order. Raises CheckpointError listing every problem, before any data is read."""
+) -> list[tuple[HFTensor, Source]]:
+    """Checks the files against the table; returns (tensor, where its values come from) to
+    read, in file order. Raises CheckpointError listing every problem, before any data is
+    read."""
     problems: list[str] = []
-    missing = [n for n, t in table.items() if not t.duplicate and n not in ckpt.where]
-    scales: dict[str, str] = {}
-    bad_shape, bad_dtype = [], []
+    shapes = {n: t.shape for n, t in table.items() if not t.duplicate}
+    packed, bad_shape = packed_tensors(shapes, ckpt) if mxfp4 else ({}, [])
+    missing = [n for n in shapes if n not in ckpt.where and n not in packed]
+    scales: dict[str, Source] = dict(packed)
+    bad_dtype = []
     for name, t in table.items():
         if name not in ckpt.where:
             continue
@@ -159,7 +170,7 @@ def _plan(
     def empty(name: str) -> bool:  # what transformers writes for an absent part (width 0)
         return 0 in ckpt.info(name).shape
 
-    consumed = set(scales.values())
+    consumed = {n for s in scales.values() for n in ((s,) if isinstance(s, str) else s)}
     unexpected = [
         n
         for n in ckpt.where
@@ -179,8 +190,12 @@ def _plan(
         )
     reads = [(t, scales.get(t.name)) for t in table.values() if not t.duplicate]
     order = {id(f): i for i, f in enumerate(ckpt.files)}
-    reads.sort(key=lambda r: (order[id(ckpt.where[r[0].name])], ckpt.info(r[0].name).start))
-    return reads
+
+    def first(read):  # a packed tensor's blocks stand for it
+        name = read[1][0] if isinstance(read[1], tuple) else read[0].name
+        return order[id(ckpt.where[name])], ckpt.info(name).start
+
+    return sorted(reads, key=first)
 
 
 def _check_size(config: DeepSeekV3Config, ckpt: Checkpoint, fused: set[int], where) -> None:
@@ -199,7 +214,7 @@ def _check_size(config: DeepSeekV3Config, ckpt: Checkpoint, fused: set[int], whe
         )
 
 
-def _match(config, ckpt, mtp, backend, fp8_block, path):
+def _match(config, ckpt, mtp, backend, fp8_block, mxfp4, path):
     """The model skeleton for `config` (MTP resolved against the files), its array leaves, and
     the reads that fill them; CheckpointError where the files do not match."""
     config, ignore_mtp = _resolve_mtp(config, ckpt, mtp, path)
@@ -215,7 +230,7 @@ def _match(config, ckpt, mtp, backend, fp8_block, path):
     table = tensor_table(shapes, config, fused_layers=fused)
     check_coverage(table, shapes)
     ignore_from = config.num_hidden_layers if ignore_mtp else None
-    return config, skeleton, leaves, _plan(table, ckpt, fp8_block, ignore_from, path)
+    return config, skeleton, leaves, _plan(table, ckpt, fp8_block, mxfp4, ignore_from, path)
 
 
 def from_pretrained(
@@ -244,11 +259,13 @@ def from_pretrained(
     """
     moe_strategies(backend)  # a wrong backend fails before any file is read
     path = pathlib.Path(path)
-    config, fp8_block = _config(path, dtype, overrides)
+    config, fp8_block, mxfp4 = _config(path, dtype, overrides)
     ckpt = Checkpoint(path)
     try:
         try:
-            config, skeleton, leaves, reads = _match(config, ckpt, mtp, backend, fp8_block, path)
+            config, skeleton, leaves, reads = _match(
+                config, ckpt, mtp, backend, fp8_block, mxfp4, path
+            )
         except CheckpointError as err:
             changed = {k: v for k, v in overrides.items() if k not in DROPLESS_FIELDS}
             if not changed:
@@ -270,8 +287,25 @@ def from_pretrained(
     return model, config
 
 
+def _stored(t: HFTensor, source: Source) -> tuple[str, ...]:
+    """The checkpoint tensors that hold `t`'s values (less FP8 scales)."""
+    return source if isinstance(source, tuple) else (t.name,)
+
+
+def _values(
+    t: HFTensor, source: Source, ckpt: Checkpoint, fp8_block: tuple[int, int], dtype: np.dtype
+) -> np.ndarray:
+    """`t` in its checkpoint layout: as stored, dequantised from FP8 (float32), or from MXFP4
+    (in `dtype`; the blocks run along the tensor's axis -2)."""
+    if isinstance(source, tuple):
+        blocks, scales = (ckpt.array(name) for name in source)
+        return np.swapaxes(dequantize_mxfp4(blocks, scales, dtype), -1, -2)
+    a = ckpt.array(t.name)
+    return a if source is None else dequantize_fp8(a, ckpt.array(source), fp8_block)
+
+
 def _read(
-    reads: list[tuple[HFTensor, str | None]],
+    reads: list[tuple[HFTensor, Source]],
     leaves: Mapping[str, jax.ShapeDtypeStruct],
     ckpt: Checkpoint,
     fp8_block: tuple[int, int],
@@ -279,20 +313,21 @@ def _read(
     where: pathlib.Path,
 ) -> dict[str, np.ndarray]:
     arrays = {k: np.empty(v.shape, _load_dtype(k, v.dtype)) for k, v in leaves.items()}
-    total = sum(ckpt.info(t.name).stop - ckpt.info(t.name).start for t, _ in reads)
+
+    def size(t: HFTensor, source: Source) -> int:
+        return sum(ckpt.info(n).stop - ckpt.info(n).start for n in _stored(t, source))
+
+    total = sum(size(t, source) for t, source in reads)
     with progress_bar(total, progress, desc=f"loading {where.name}") as bar:
-        for t, scale in reads:
+        for t, source in reads:
             try:
-                a = ckpt.array(t.name)
-                if scale is not None:
-                    a = dequantize_fp8(a, ckpt.array(scale), fp8_block)
+                a = _values(t, source, ckpt, fp8_block, arrays[t.slots[0].leaf].dtype)
                 for slot, part in zip(t.slots, t.split(a), strict=True):
                     arrays[slot.leaf][slot.index] = (
                         np.swapaxes(part, -1, -2) if slot.transpose else part
                     )
             except OSError as err:
-                file = ckpt.where[t.name].path
-                raise CheckpointError(f"{file}: reading {t.name}: {err}") from err
-            info = ckpt.info(t.name)
-            bar.update(info.stop - info.start)
+                name = _stored(t, source)[0]
+                raise CheckpointError(f"{ckpt.where[name].path}: reading {name}: {err}") from err
+            bar.update(size(t, source))
     return arrays
