@@ -156,25 +156,31 @@ def test_sharded_step_keeps_parameter_dtypes():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("preset", "unroll"),
+    ("preset", "unroll", "changes"),
     [
-        ("tiny", False),
-        ("tiny", True),
-        ("qwen3-moe-tiny", False),
-        ("olmoe-tiny", False),
-        ("gpt-oss-tiny", True),
+        ("tiny", False, {}),
+        ("tiny", True, {}),
+        ("qwen3-moe-tiny", False, {}),
+        ("olmoe-tiny", False, {}),
+        ("mixtral-tiny", False, {"sliding_window": 3}),
+        ("gpt-oss-tiny", True, {}),
     ],
-    ids=["scan", "unrolled", "qwen3-moe", "olmoe", "gpt-oss-unrolled"],
+    ids=["scan", "unrolled", "qwen3-moe", "olmoe", "mixtral-window3", "gpt-oss-unrolled"],
 )
-def test_tiny_sharded_gradient_step_equals_unsharded(preset, unroll):
+def test_tiny_sharded_gradient_step_equals_unsharded(preset, unroll, changes):
     # Unrolled: two MoE layers, so that their stacks are split and their gradients written
     # back slice by slice. The reference runs the same split, so this checks the sharded
     # layout (on a CPU the gradient buffer starts as zeros, not uninitialised). The other
-    # families: grouped-query attention's weights sharded as well; gpt-oss's biases and sinks,
-    # and its layers' windows split with the unrolled layers.
+    # families: grouped-query attention's weights sharded as well; Mixtral's softmax over the
+    # top-k logits and a window shorter than the sequence; gpt-oss's biases and sinks, and its
+    # layers' windows split with the unrolled layers.
     n_layers = 3 if unroll else 2
     config = get_any_preset(
-        preset, num_hidden_layers=n_layers, num_nextn_predict_layers=0, unroll_layers=unroll
+        preset,
+        num_hidden_layers=n_layers,
+        num_nextn_predict_layers=0,
+        unroll_layers=unroll,
+        **changes,
     )
     model = DeepSeekV3(config, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (8, 9), 0, config.vocab_size)
