@@ -13,6 +13,9 @@ policy, at one device's micro-batch shape. What each policy keeps per scanned la
 - "dots_no_batch": the layer input and the matmul outputs without batch dimensions (the
   projections; not the attention scores or the per-head products).
 
+A sliding-window layer under the "xla" attention keeps a full layer's residuals: the window
+masks its `[seq seq]` scores; the model FLOPs count the window (`.attention`).
+
 Whatever the policy, the head's residuals (the logits the cross-entropy keeps, `[b s vocab]`
 per prediction depth) and the residual stream around the layers are kept too. Under remat the
 backward recomputes one layer at a time, so one layer's "none" residuals are live on top

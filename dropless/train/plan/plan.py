@@ -36,6 +36,7 @@ from dropless.backends.ep import buffer_rows
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, count_params
 from dropless.train.config import MAX_BF16_BETA, TrainConfig
 from dropless.train.plan.activations import activations
+from dropless.train.plan.attention import attention_flops_per_token
 from dropless.train.step import optim
 from dropless.train.step.step import HPARAM_FIELDS
 
@@ -53,17 +54,16 @@ _STACKS = ("dense_layers", "moe_layers", "mtp")
 def flops_per_token(config: DeepSeekV3Config, seq: int) -> float:
     """Model FLOPs per trained token, as the experiments count them: 6 x (active matmul
     parameters: active params without the input embedding, plus the MTP modules' active params
-    and their pass through the shared head) + attention (QK^T and AV, 2 * seq * heads *
+    and their pass through the shared head) + attention (QK^T and AV, 2 * keys * heads *
     (qk_head_dim + v_head_dim) per token per layer forward, times 3 for forward + backward;
-    causal mask not discounted: every query counts all `seq` keys, as PaLM's MFU does). The
-    one count behind `dropless plan`, the experiments and `dropless.train.loop.throughput`'s MFU."""
+    keys = `seq`, or min(seq, window) in a sliding-window layer; causal mask not discounted, as
+    PaLM's MFU: `attention_flops_per_token`). The one count behind `dropless plan`, the
+    experiments and `dropless.train.loop.throughput`'s MFU."""
     counts = count_params(config)
     depth = config.num_nextn_predict_layers
     head = counts.head or counts.embedding  # a tied head reuses the embedding matrix
     matmul_params = counts.active - counts.embedding + counts.mtp_active + depth * head
-    layers = config.num_hidden_layers + depth
-    attention = 2 * seq * config.num_attention_heads * (config.qk_head_dim + config.value_head_dim)
-    return float(6 * matmul_params + 3 * layers * attention)
+    return float(6 * matmul_params + attention_flops_per_token(config, seq))
 
 
 @dataclasses.dataclass(frozen=True)
