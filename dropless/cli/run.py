@@ -9,12 +9,12 @@ import time
 
 import numpy as np
 
-from dropless.backends import get_backend, resolve_backend_name
 from dropless.cli.options import TrainCommand
 from dropless.files import disk_error, is_disk_error
 from dropless.models import PRESETS, get_preset
 from dropless.models.deepseek_v3 import count_params
 from dropless.sharding import parse_mesh
+from dropless.train.backend_names import get_backend, resolve_backend_name
 from dropless.train.loop import setup
 from dropless.train.loop.callbacks import EvalLines, ProgressBar
 from dropless.train.loop.data_source import DataSource, fit_vocab, open_data

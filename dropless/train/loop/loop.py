@@ -216,7 +216,7 @@ def train(
     """Trains a DeepSeek-V3 model of `model_config` and writes its results into `out_dir`.
 
     `backend`: `AutoBackend()` (the best this machine runs; config.yaml records "auto"), an MoE
-    backend name (see `dropless.backends.BACKENDS`), or a `Backend` value (config.yaml then
+    backend name (see `dropless.train.BACKENDS`), or a `Backend` value (config.yaml then
     records "custom"); resolved once, here.
     `train_config.resume`: continue from the latest checkpoint in `out_dir/checkpoints` (the
     model configuration must match, except its compute dtype, remat, attention implementation

@@ -15,9 +15,10 @@ import numpy as np
 import yaml
 from jax.sharding import Mesh
 
-from dropless.backends import AutoBackend, Backend, get_backend, resolve_backend_name
+from dropless.backends import AutoBackend, Backend
 from dropless.data.datasets import AbstractDataset, Batch
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
+from dropless.train.backend_names import get_backend, resolve_backend_name
 from dropless.train.config import TrainConfig
 from dropless.train.loop import distributed, offload
 from dropless.train.loop.callbacks import Callback, TensorBoard

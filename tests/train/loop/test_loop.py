@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 
-from dropless.backends import get_backend
+from dropless.backends import jnp_backend
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
 from dropless.train import (
     Callback,
@@ -355,7 +355,7 @@ def test_a_backend_value_runs_as_its_name_does(tmp_path, config):
     """`train` takes a `Backend` value as well as a name (resolved once, at this edge)."""
     settings = config(steps=2, warmup_steps=1)
     named = train(TINY, settings, backend="jnp", out_dir=str(tmp_path / "named"))
-    value = train(TINY, settings, backend=get_backend("jnp"), out_dir=str(tmp_path / "v"))
+    value = train(TINY, settings, backend=jnp_backend(), out_dir=str(tmp_path / "v"))
     np.testing.assert_array_equal(value.losses, named.losses)
     assert "backend: custom" in (tmp_path / "v" / "config.yaml").read_text()
 
