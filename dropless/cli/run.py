@@ -248,6 +248,7 @@ def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
             backend=command.backend,
             out_dir=out_dir,
             callbacks=[bar] if bar else [EvalLines(file=sys.stdout)],
+            data=data,
         )
     except (TrainingDiverged, CheckpointError, RunDirectoryLocked) as err:
         if bar:
