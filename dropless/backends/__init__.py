@@ -16,8 +16,8 @@ elsewhere: the value `AutoBackend()`, whose `select` says which).
 
 One strategy per module: `sort` (SortDispatcher), `chunked` (ChunkedGroupedMatmul), `capacity`
 (CapacityGroupedMatmul), `ragged` (RaggedDot), `te`, `pallas` (on the kernels of `mosaic`),
-`ep` (on the buffers and exchanges of `ep_exchange`), `nccl_ep`; `oracle` holds the dense
-references the tests compare against.
+`ep` (on the buffers and exchanges of `ep_exchange`), `nccl_ep` (its sizes, requirements and
+bootstrap in `nccl_ep_setup`); `oracle` holds the dense references the tests compare against.
 `bundles` builds the first three bundles and loads the others lazily, `auto` holds
 `AutoBackend`, `swap` holds `with_backend`.
 """
