@@ -218,6 +218,8 @@ def what_is_saved(out_dir: str) -> str:
     )
 
 
+# Over 60 lines: the header, the call and one handler per way a run ends (each closes the bar,
+# prints one line and returns its exit code), read in the order they happen.
 def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
     """Runs `dropless train`. Unless `vocab_given`, the data's tokenizer sets the model's
     vocabulary size."""

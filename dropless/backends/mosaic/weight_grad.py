@@ -153,6 +153,8 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
     return kernel(bounds, lhs, grad)
 
 
+# Over 60 lines: one kernel body, whose closures (`store`, the pipeline's context) share the
+# tile's traced values; its chunk step is `_segment_mma`.
 def _launch_segmented_weight_grad(bounds, first_groups, lhs, grad, c: WeightGradConfig):
     """`grouped_weight_grad` with one pipeline per (run of groups, output tile) over the run's
     `tile_k`-row chunks. A chunk inside the current group is multiplied as it is; a chunk
