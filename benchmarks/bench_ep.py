@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 
 from dropless import sharding  # noqa: E402
 from dropless.backends import with_backend  # noqa: E402
-from dropless.backends.ep import AllToAllDispatcher, pair_bound  # noqa: E402
+from dropless.backends.ep import AllToAllDispatcher, ep_backend, pair_bound  # noqa: E402
 from dropless.moe import MoE  # noqa: E402
 from dropless.routing import RoutingSpec  # noqa: E402
 
@@ -177,7 +177,9 @@ def main():
             mesh = sharding.make_mesh(data=args.devices // ep, expert=ep, devices=devices)
             for factor in factors:
                 dispatcher = AllToAllDispatcher(recv_factor=factor, overflow="drop")
-                layer = eqx.tree_at(lambda m: m.dispatcher, with_backend(moe, "ep"), dispatcher)
+                layer = eqx.tree_at(
+                    lambda m: m.dispatcher, with_backend(moe, ep_backend()), dispatcher
+                )
                 t, compile_s, dropped = time_step(
                     sharding.shard_moe(layer, mesh), x, probe, args.repeats
                 )

@@ -35,6 +35,7 @@ from dropless.backends import (
 from dropless.moe import MoE
 from dropless.routing import RoutingSpec
 from dropless.swiglu import SwiGLU
+from dropless.train.backend_names import get_backend
 
 
 def gmm_strategies():
@@ -223,7 +224,7 @@ def bench_layer(
                 row[f"{name} / dense"] = "skipped"
                 continue
             try:
-                layer = with_backend(moe, name)
+                layer = with_backend(moe, get_backend(name))
             except BackendUnavailableError:
                 row[f"{name} / dense"] = "unavailable"
                 continue

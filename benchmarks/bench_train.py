@@ -24,10 +24,10 @@ import _profile
 import jax
 from _timing import machine, print_table, write_results
 
-from dropless.backends import BackendUnavailableError, get_backend
+from dropless.backends import BackendUnavailableError
 from dropless.cli import apply_overrides
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, count_params, get_preset
-from dropless.train import TrainConfig, init_state, train_step
+from dropless.train import TrainConfig, get_backend, init_state, train_step
 
 SCOPES_BY_OP = 12  # --profile lists the kernels by op of this many of the costliest scopes
 # JAX preallocates this fraction of the GPU's memory, 75% by default (newer jaxlib reads

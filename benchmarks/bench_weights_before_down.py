@@ -18,9 +18,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from dropless.backends import get_backend, with_backend
+from dropless.backends import with_backend
 from dropless.moe import MoE
 from dropless.routing import RoutingSpec
+from dropless.train.backend_names import get_backend
 
 
 def measure(args) -> list[dict]:

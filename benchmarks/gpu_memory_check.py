@@ -50,9 +50,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from dropless.backends import get_backend  # noqa: E402
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset  # noqa: E402
-from dropless.train import TrainConfig, init_state, train_step  # noqa: E402
+from dropless.train import TrainConfig, get_backend, init_state, train_step  # noqa: E402
 
 GIB = 2**30
 

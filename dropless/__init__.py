@@ -3,19 +3,11 @@
 The MoE pipeline, stage by stage: `TopKRouter` -> `AbstractDispatcher.dispatch` ->
 `GroupedExperts` -> `AbstractDispatcher.combine`, assembled by `MoE`. Each stage's strategy is a
 value (`MoE(..., dispatcher=..., gmm=..., topk=...)`, with portable defaults); a built model's
-are swapped with `with_backend(model, backend)`, a `Backend` or a registry name.
+are swapped with `with_backend(model, backend)`, a `Backend` value (names, as the command
+line's `--backend` takes them, are resolved at the edge: `dropless.train.get_backend`).
 """
 
-from dropless.backends import (
-    BACKENDS,
-    AutoBackend,
-    Backend,
-    BackendUnavailableError,
-    available_backends,
-    get_backend,
-    register_backend,
-    with_backend,
-)
+from dropless.backends import AutoBackend, Backend, BackendUnavailableError, with_backend
 from dropless.balance import (
     batch_balance_loss,
     coselection,
@@ -44,7 +36,6 @@ from dropless.routing import (
 from dropless.swiglu import SwiGLU
 
 __all__ = [
-    "BACKENDS",
     "AutoBackend",
     "AbstractBiasUpdate",
     "ProportionalBiasUpdate",
@@ -70,10 +61,7 @@ __all__ = [
     "RoutingSpec",
     "SwiGLU",
     "TopKRouter",
-    "available_backends",
     "batch_balance_loss",
-    "get_backend",
-    "register_backend",
     "max_violation",
     "router_z_loss",
     "routing_stats",

@@ -3,7 +3,7 @@ dense one-hot oracle (forward and gradient) and time.
 
     python experiments/compare_backends.py [--size tiny|small] [--tokens N] [--out DIR]
 
-Backends are `dropless.available_backends()` minus the multi-device ones ("ep", "nccl_ep").
+Backends are `dropless.train.available_backends()` minus the multi-device ones ("ep", "nccl_ep").
 Layer: `oracle_moe` is the reference. Model: the reference is the same model with the oracle
 grouped matmul (`OneHotGroupedMatmul`) in every MoE layer.
 """
@@ -31,7 +31,7 @@ import dropless  # noqa: E402
 from dropless.backends.oracle import OneHotGroupedMatmul, oracle_moe  # noqa: E402
 from dropless.backends.sort import SortDispatcher  # noqa: E402
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset  # noqa: E402
-from dropless.train import SyntheticCorpus  # noqa: E402
+from dropless.train import SyntheticCorpus, available_backends, get_backend  # noqa: E402
 
 MULTI_DEVICE = ("ep", "nccl_ep")
 
@@ -68,7 +68,15 @@ def layer_rows(config, names: list[str], tokens: int, repeats: int, seed: int) -
     grad = eqx.filter_jit(eqx.filter_grad(lambda m, x: loss(m, x, run)))
     return [
         agreement_row(
-            "layer", name, dropless.with_backend(moe, name), x, fwd, grad, ref_y, ref_g, repeats
+            "layer",
+            name,
+            dropless.with_backend(moe, get_backend(name)),
+            x,
+            fwd,
+            grad,
+            ref_y,
+            ref_g,
+            repeats,
         )
         for name in names
     ]
@@ -114,7 +122,7 @@ def model_rows(
         agreement_row(
             "model",
             name,
-            dropless.with_backend(model, name),
+            dropless.with_backend(model, get_backend(name)),
             window,
             fwd,
             grad,
@@ -150,7 +158,7 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
     config = get_preset(args.size)
-    names = args.backends or [b for b in dropless.available_backends() if b not in MULTI_DEVICE]
+    names = args.backends or [b for b in available_backends() if b not in MULTI_DEVICE]
     rows = layer_rows(config, names, args.tokens, args.repeats, args.seed)
     rows += model_rows(config, names, args.batch_size, args.seq_len, args.repeats, args.seed)
     meta = dict(

@@ -1,6 +1,6 @@
 """Test-wide settings: 8 emulated CPU devices (for expert parallelism), hypothesis profiles,
-the `gpu` marker, the one list of backends under test, the one short TrainConfig of the tests'
-runs, and fixtures that read programs."""
+the `gpu` marker, the one short TrainConfig of the tests' runs, and fixtures that read programs.
+The one list of strategy values that the property tests run over is in tests/helpers.py."""
 
 import os
 
@@ -101,18 +101,6 @@ def gpu_tests_at_default_precision(request):
         return
     with jax.default_matmul_precision(None):
         yield
-
-
-def backends_under_test() -> list[str]:
-    """Every single-device backend that loads here ("ep" needs a mesh: tested on its own)."""
-    from dropless.backends import available_backends
-
-    return [name for name in available_backends() if name not in ("ep", "nccl_ep")]
-
-
-def pytest_generate_tests(metafunc):
-    if "backend_name" in metafunc.fixturenames:
-        metafunc.parametrize("backend_name", backends_under_test())
 
 
 # The tests' short run: 3 steps of 8 sequences x 32 tokens, one warm-up step, no evaluation,

@@ -2,11 +2,13 @@
 imports of dropless modules at the top of a module (imports inside functions are for optional
 dependencies only: TE, tokamax, torch, transformers):
 
-    core < nn < models, data < sharding < train.config < train.step < train.plan < train.store
-         < train.loop < train (the package, which re-exports the wings) < cli
+    core < nn < models, data < sharding < train.config, train.backend_names < train.step
+         < train.plan < train.store < train.loop < train (the package, which re-exports the
+         wings) < cli
 
 `sharding` (the mesh, the spec table, placement, `ShardedMoE`) is a layer of its own; `train/` is
-in wings (step, plan, store, loop) that import one way, in that order.
+in wings (step, plan, store, loop) that import one way, in that order, above its config edge
+(`TrainConfig`, and the backends by name: the core takes `Backend` values only).
 
 Read from the source with `ast`, so a violation is found without importing anything."""
 
@@ -22,6 +24,7 @@ LAYERS = {"core": 0, "nn": 1, "models": 2, "data": 2, "cli": 10}
 ROOMS = {
     "sharding": 3,
     "train.config": 4,
+    "train.backend_names": 4,
     "train.step": 5,
     "train.plan": 6,
     "train.store": 7,
@@ -139,6 +142,7 @@ def test_the_layers_are_known():
     assert layers == sorted(set(layers))
     assert layer("dropless.sharding") == layer("dropless.sharding.expert_parallel")
     assert layer("dropless.train.step.step") == layer("dropless.train.step.sharded")
+    assert layer("dropless.train.backend_names") == layer("dropless.train.config")
     assert layer("dropless.cli") == layer("dropless.__main__")
 
 

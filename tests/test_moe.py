@@ -7,18 +7,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import backends
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
 
 import dropless
-from dropless.backends import Backend, BackendUnavailableError, get_backend, with_backend
+from dropless.backends import (
+    Backend,
+    BackendUnavailableError,
+    jnp_backend,
+    ragged_backend,
+    with_backend,
+)
+from dropless.backends import auto as auto_backend
 from dropless.backends.chunked import ChunkedGroupedMatmul
 from dropless.backends.oracle import oracle_moe
 from dropless.backends.sort import SortDispatcher
 from dropless.dispatch import AbstractDispatcher
 from dropless.moe import MoE, computing_part
 from dropless.routing import JnpTopK, RoutingSpec
+from dropless.train.backend_names import get_backend, resolve_backend_name
 
 FP32 = dict(rtol=1e-4, atol=1e-5)
 # (spec, shared experts): a handful of layer shapes, so each compiles once per run.
@@ -55,13 +64,13 @@ def moe_case(draw):
 
 
 def build(spec, shared, adversarial, seed, backend, **options):
-    """The layer, with the strategies of the backend of that name, and 20 tokens. The
+    """The layer, with the strategies of `backend`, and 20 tokens. The
     adversarial routings steer through the tokens' first feature, set to 1: a router row's
     first weight then shifts that expert's logit for every token alike (by 12, several times
     the spread of the rest), and the case is checked here."""
     k_model, k_x = jax.random.split(jax.random.key(seed))
     moe = MoE(12, 10, spec, n_shared_experts=shared, key=k_model, **options)
-    moe = with_backend(moe, get_backend(backend))
+    moe = with_backend(moe, backend)
     x = jax.random.normal(k_x, (20, 12)).at[:, 0].set(1.0)
     w = moe.router.w_router
     half = spec.n_routed_experts // 2
@@ -91,11 +100,12 @@ def _output_and_grads(moe, x, probe, forward):
     return y, pullback(probe)
 
 
+@pytest.mark.parametrize("backend", backends())
 @settings(max_examples=12)
 @given(moe_case())
 @pytest.mark.slow
-def test_backend_equals_oracle(backend_name, case):
-    moe, x = build(*case, backend=backend_name)
+def test_backend_equals_oracle(backend, case):
+    moe, x = build(*case, backend=backend)
     probe = jax.random.normal(jax.random.key(7), x.shape)
     y, grads = _output_and_grads(moe, x, probe, _layer)  # w.r.t. every weight and the input
     y_ref, ref = _output_and_grads(moe, x, probe, oracle_moe)
@@ -106,13 +116,14 @@ def test_backend_equals_oracle(backend_name, case):
     assert jnp.abs(grads[0].router.w_router).sum() > 0  # the router learns through the weights
 
 
+@pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("adversarial", ["none", "one_expert"])
-def test_gpt_oss_experts_equal_the_oracle(backend_name, adversarial):
+def test_gpt_oss_experts_equal_the_oracle(backend, adversarial):
     """gpt-oss's MoE (a learnt router bias, expert biases, a clamp at 0.5 that binds) with
     each backend's strategies against the oracle, output and every gradient."""
     spec = RoutingSpec(8, 2, "softmax", softmax_before_topk=False, router_bias=True)
     options = dict(experts_bias=True, swiglu_limit=0.5)
-    moe, x = build(spec, 0, adversarial, 3, backend_name, **options)
+    moe, x = build(spec, 0, adversarial, 3, backend, **options)
     where = lambda m: (  # noqa: E731
         m.router.logit_bias,
         m.experts.gate_bias,
@@ -138,7 +149,7 @@ def test_gpt_oss_experts_equal_the_oracle(backend_name, adversarial):
 def test_weights_before_down_equals_the_oracle(case):
     """`weights_before_down=True` (the routing weights scale the hidden units, the combine only
     sums): output and every gradient equal the oracle's, the router's through the experts."""
-    moe, x = build(*case, backend="jnp", weights_before_down=True)
+    moe, x = build(*case, backend=jnp_backend(), weights_before_down=True)
     probe = jax.random.normal(jax.random.key(7), x.shape)
     y, grads = _output_and_grads(moe, x, probe, _layer)
     y_ref, ref = _output_and_grads(moe, x, probe, oracle_moe)
@@ -179,7 +190,7 @@ def test_strategies_are_values_with_defaults():
     assert isinstance(moe.dispatcher, SortDispatcher)
     assert isinstance(moe.experts.gmm, ChunkedGroupedMatmul)
     assert isinstance(moe.router.topk, JnpTopK)
-    ragged = get_backend("ragged").gmm
+    ragged = ragged_backend().gmm
     moe = MoE(12, 10, spec, gmm=ragged, key=jax.random.key(0))
     assert moe.experts.gmm is ragged and isinstance(moe.dispatcher, SortDispatcher)
     with pytest.raises(TypeError):
@@ -216,7 +227,7 @@ def test_stats_and_nothing_dropped():
 
 def test_with_backend_swaps_strategies_not_arrays():
     moe = MoE(12, 10, SPECS[1][0], n_shared_experts=1, key=jax.random.key(0))
-    swapped = with_backend(moe, "ragged")
+    swapped = with_backend(moe, ragged_backend())
     assert type(swapped.experts.gmm).__name__ == "RaggedDot"
     before, after = jax.tree.leaves(moe), jax.tree.leaves(swapped)
     assert len(before) == len(after) and all(a is b for a, b in zip(before, after, strict=True))
@@ -244,28 +255,27 @@ def test_missing_te_names_what_to_install():
 def test_auto_without_te(monkeypatch, gpu):
     """Without TE, 'auto' is the chunked 'jnp' on a CPU and 'jnp-capacity' on a GPU before
     Hopper (warning that TE is missing), whose batched matmul does not wait on the host."""
-    from dropless.backends import registry as backends
 
     def missing():
         raise BackendUnavailableError("needs `pip install 'transformer-engine[jax]'`")
 
-    monkeypatch.setitem(backends.BACKENDS, "te-gmm", missing)
-    monkeypatch.setattr(backends, "has_gpu", lambda: gpu)
-    monkeypatch.setattr(backends, "is_hopper", lambda: False)  # a Hopper GPU takes pallas
-    backends._auto_choice.cache_clear()
+    monkeypatch.setattr(auto_backend, "_te_gmm", missing)
+    monkeypatch.setattr(auto_backend, "has_gpu", lambda: gpu)
+    monkeypatch.setattr(auto_backend, "is_hopper", lambda: False)  # a Hopper GPU takes pallas
+    auto_backend._auto_choice.cache_clear()
     try:
         if gpu:
             with pytest.warns(UserWarning, match="transformer-engine.*'jnp-capacity'"):
                 chosen = get_backend("auto")
         else:
             chosen = get_backend("auto")
-        name = backends.resolve_backend_name("auto")  # the cached choice, no second warning
+        name = resolve_backend_name("auto")  # the cached choice, no second warning
     finally:
-        backends._auto_choice.cache_clear()
+        auto_backend._auto_choice.cache_clear()
     want = "CapacityGroupedMatmul" if gpu else "ChunkedGroupedMatmul"
     assert type(chosen.gmm).__name__ == want
     assert name == ("jnp-capacity" if gpu else "jnp")
-    assert backends.resolve_backend_name("ragged") == "ragged"
+    assert resolve_backend_name("ragged") == "ragged"
 
 
 def test_wrong_input_shape_is_rejected():
@@ -307,7 +317,10 @@ _DISPATCHER = "Backend.dispatcher must be an AbstractDispatcher or None, got "
 @pytest.mark.parametrize(
     "parts, message",
     [
-        (("jnp", "ragged"), _DISPATCHER + "'jnp' (a backend's name goes to with_backend"),
+        (
+            ("jnp", "ragged"),
+            _DISPATCHER + "'jnp' (a backend's name goes to dropless.train.get_backend",
+        ),
         ((ChunkedGroupedMatmul(), SortDispatcher()), _DISPATCHER + "ChunkedGroupedMatmul()"),
         (
             (SortDispatcher(), SortDispatcher()),

@@ -26,7 +26,7 @@ class Backend(eqx.Module):
             ("topk", self.topk, AbstractTopK, "an AbstractTopK"),
         ):
             if value is not None and not isinstance(value, kind):
-                hint = " (a backend's name goes to with_backend or get_backend)"
+                hint = " (a backend's name goes to dropless.train.get_backend)"
                 raise TypeError(
                     f"Backend.{name} must be {wanted} or None, got {value!r}"
                     f"{hint if isinstance(value, str) else ''}"

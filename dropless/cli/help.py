@@ -15,7 +15,8 @@ from typing import Annotated, Literal
 
 import tyro
 
-from dropless.cli.options import MODEL_HELP, ModelOptions, TrainCommand, backend_names
+from dropless.cli.options import MODEL_HELP, ModelOptions, TrainCommand
+from dropless.train.backend_names import backend_choices
 from dropless.train.config import TrainConfig
 
 HELP_FLAGS = ("-h", "--help", "--help-all")
@@ -118,7 +119,7 @@ def options(defaults: TrainCommand) -> list[Option]:
             value = getattr(defaults, field.name)
             flags = _flags(field.name, field.type)
             if field.name == "backend":  # the names registered now
-                flags = f"--backend {{{','.join(backend_names())}}}"
+                flags = f"--backend {{{','.join(backend_choices())}}}"
             out.append(Option(field.name, flags, command_docs[field.name], value, "run"))
     train_docs, groups = attribute_docs(TrainConfig), _field_groups(TrainConfig)
     for field in dataclasses.fields(TrainConfig):

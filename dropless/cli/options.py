@@ -7,7 +7,6 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
-from dropless.backends import BACKENDS
 from dropless.cli.config_file import apply_overrides, parse_yaml
 from dropless.models import PRESETS
 from dropless.models.deepseek_v3 import DeepSeekV3Config
@@ -86,12 +85,6 @@ MODEL_HELP = {
 }
 
 PRESET_NAMES = tuple(PRESETS)
-
-
-def backend_names() -> tuple[str, ...]:
-    """ "auto" and every registered backend, as the registry is when asked (so a name that
-    `register_backend` adds reaches `--backend` and a config file's `backend:`)."""
-    return ("auto", *BACKENDS)
 
 
 def _model_options_class() -> type:

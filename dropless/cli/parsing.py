@@ -25,8 +25,9 @@ from dropless.cli.help import (
     options,
     short_help,
 )
-from dropless.cli.options import PresetsCommand, TrainCommand, backend_names, to_options
+from dropless.cli.options import PresetsCommand, TrainCommand, to_options
 from dropless.models import get_preset
+from dropless.train.backend_names import backend_choices
 from dropless.train.config import TrainConfig
 from dropless.train.store.layout import CHECKPOINT_DIR, CONFIG_FILE
 from dropless.train.store.resume import saved_run_config
@@ -53,7 +54,7 @@ def defaults(args: Sequence[str], saved: dict | None = None) -> TrainCommand:
     model = replace_checked(model, data.get("model") or {}, f"{file}: model")
     train = replace_checked(TrainConfig(), data.get("train") or {}, f"{file}: train")
     backend = data.get("backend", "auto")
-    if backend not in backend_names():
+    if backend not in backend_choices():
         raise ValueError(f"{file}: {_unknown_backend(backend)}")
     return TrainCommand(
         model=to_options(model), train=train, preset=preset, config=file, backend=backend
@@ -61,7 +62,7 @@ def defaults(args: Sequence[str], saved: dict | None = None) -> TrainCommand:
 
 
 def _unknown_backend(name: str) -> str:
-    known = ", ".join(repr(n) for n in backend_names())
+    known = ", ".join(repr(n) for n in backend_choices())
     return f"unknown backend {name!r}; known backends: {known}"
 
 
@@ -133,7 +134,7 @@ def parse(args: Sequence[str], _saved: dict | None = None) -> TrainCommand | Pre
         known=flag_names(options(base)),
         label="dropless",
     )
-    if command.backend not in backend_names():
+    if command.backend not in backend_choices():
         print(
             f"dropless: error: --backend: {_unknown_backend(command.backend)} "
             "(see dropless train --help)",

@@ -9,12 +9,12 @@ import time
 
 import numpy as np
 
-from dropless.backends import get_backend, resolve_backend_name
 from dropless.cli.options import TrainCommand
 from dropless.files import disk_error, is_disk_error
 from dropless.models import PRESETS, get_preset
 from dropless.models.deepseek_v3 import count_params
 from dropless.sharding import parse_mesh
+from dropless.train.backend_names import get_backend, resolve_backend_name
 from dropless.train.loop import setup
 from dropless.train.loop.callbacks import EvalLines, ProgressBar
 from dropless.train.loop.data_source import DataSource, fit_vocab, open_data
@@ -218,6 +218,8 @@ def what_is_saved(out_dir: str) -> str:
     )
 
 
+# Over 60 lines: the header, the call and one handler per way a run ends (each closes the bar,
+# prints one line and returns its exit code), read in the order they happen.
 def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
     """Runs `dropless train`. Unless `vocab_given`, the data's tokenizer sets the model's
     vocabulary size."""
@@ -248,6 +250,7 @@ def run_train(command: TrainCommand, *, vocab_given: bool = True) -> int:
             backend=command.backend,
             out_dir=out_dir,
             callbacks=[bar] if bar else [EvalLines(file=sys.stdout)],
+            data=data,
         )
     except (TrainingDiverged, CheckpointError, RunDirectoryLocked) as err:
         if bar:

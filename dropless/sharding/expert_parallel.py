@@ -4,7 +4,7 @@ the whole batch from those of each shard, and `ShardedMoE`, one MoE layer run ex
 
 Inside the `jax.shard_map` each device sees its slice of the batch, the full router and dense
 weights, and the local slice `[experts / ep ...]` of every `GroupedExperts` weight; the MoE layers
-must use an expert-parallel dispatcher (`dropless.with_backend(model, "ep")`)."""
+must use an expert-parallel dispatcher (`dropless.with_backend(model, ep_backend())`)."""
 
 import equinox as eqx
 import jax
@@ -35,7 +35,7 @@ def check_expert_parallel(model: PyTree, mesh: Mesh) -> None:
         if ep > 1 and not parallel:
             raise ValueError(
                 f"{type(node).__name__} cannot dispatch across devices, and the mesh's expert axis "
-                f"has size {ep}; use dropless.with_backend(model, 'ep') (or expert=1)"
+                f"has size {ep}; use dropless.with_backend(model, ep_backend()) (or expert=1)"
             )
         if not parallel:
             continue

@@ -14,6 +14,13 @@ from dropless.data.datasets import (
     TokenFile,
     token_file_splits,
 )
+from dropless.train.backend_names import (
+    BACKENDS,
+    available_backends,
+    get_backend,
+    register_backend,
+    resolve_backend_name,
+)
 from dropless.train.config import TrainConfig
 from dropless.train.loop.callbacks import Callback, EvalLines, ProgressBar, TensorBoard
 from dropless.train.loop.finish import TrainResults
@@ -43,6 +50,7 @@ from dropless.train.store.compile_cache import enable_compile_cache
 from dropless.train.store.run_dir import LoadedRun, load_run
 
 __all__ = [
+    "BACKENDS",
     "AbstractDataset",
     "Batch",
     "Callback",
@@ -60,12 +68,14 @@ __all__ = [
     "TrainState",
     "TrainingDiverged",
     "TrainingPreempted",
+    "available_backends",
     "config_dict",
     "enable_compile_cache",
     "eval_step",
     "evaluate",
     "evaluate_run",
     "expert_bias_filter",
+    "get_backend",
     "head_cross_entropy",
     "init_state",
     "learning_rate",
@@ -75,6 +85,8 @@ __all__ = [
     "open_for_resume",
     "optimizer",
     "read_jsonl",
+    "register_backend",
+    "resolve_backend_name",
     "token_file_splits",
     "total_loss",
     "train",

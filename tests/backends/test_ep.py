@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dropless import sharding
-from dropless.backends import ep_exchange, get_backend, with_backend
+from dropless.backends import ep_exchange, with_backend
 from dropless.backends.ep import (
     AllToAllDispatcher,
     buffer_rows,
@@ -27,6 +27,7 @@ from dropless.backends.ep import (
 from dropless.dispatch import AbstractExpertParallelDispatcher
 from dropless.moe import MoE
 from dropless.routing import RoutingSpec
+from dropless.train.backend_names import get_backend
 
 pytestmark = pytest.mark.mesh8  # meshes over the 8 devices (tests/conftest.py)
 
@@ -92,7 +93,7 @@ def balance_losses(moe, parts):
 
 def sharded(moe: MoE, mesh, **dispatcher_settings) -> sharding.ShardedMoE:
     """`moe` on `mesh`, with the "ep" dispatcher (default settings unless given)."""
-    moe = with_backend(moe, "ep")
+    moe = with_backend(moe, ep_backend())
     if dispatcher_settings:
         dispatcher = AllToAllDispatcher(**dispatcher_settings)
         moe = eqx.tree_at(lambda m: m.dispatcher, moe, dispatcher)
@@ -359,7 +360,7 @@ def test_registry_entry():
 
 
 def test_outside_shard_map_is_a_clear_error():
-    moe = with_backend(make_moe(), "ep")
+    moe = with_backend(make_moe(), ep_backend())
     x, _ = inputs()
     with pytest.raises(ValueError, match="must run inside jax.shard_map"):
         jax.eval_shape(moe, x)
@@ -367,7 +368,7 @@ def test_outside_shard_map_is_a_clear_error():
 
 def test_experts_not_divisible_by_expert_axis():
     mesh = sharding.make_mesh(data=2, expert=3, devices=jax.devices()[:6])
-    moe = with_backend(make_moe(), "ep")
+    moe = with_backend(make_moe(), ep_backend())
     with pytest.raises(ValueError, match="divisible"):
         sharding.shard_moe(moe, mesh)
     # the dispatcher checks too, when a caller writes its own shard_map

@@ -13,11 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.backends import Backend, BackendUnavailableError, get_backend, with_backend
+from dropless.backends import (
+    AutoBackend,
+    Backend,
+    BackendUnavailableError,
+    jnp_capacity_backend,
+    with_backend,
+)
 from dropless.backends.oracle import OneHotGroupedMatmul, oracle_moe
 from dropless.backends.sort import SortDispatcher
 from dropless.moe import MoE
 from dropless.routing import JnpTopK, RoutingSpec
+from dropless.train.backend_names import get_backend
 
 pytestmark = pytest.mark.gpu
 BF16 = 1e-2
@@ -167,7 +174,7 @@ def test_moe_layer_equals_oracle(backend):
     load("pallas" if backend == "pallas" else "te")
     spec = SPECS[0]
     moe = MoE(256, 128, spec, n_shared_experts=1, key=jax.random.key(0))
-    _check_layer_against_oracle(with_backend(moe, backend))
+    _check_layer_against_oracle(with_backend(moe, get_backend(backend)))
 
 
 @pytest.mark.parametrize("fused_swiglu", [False, True])
@@ -187,7 +194,6 @@ def test_pallas_moe_layer_with_weights_before_down_equals_oracle(fused_swiglu):
 @pytest.mark.parametrize("dims", [(256, 128), (192, 96)], ids=["tileable", "untileable"])
 def test_auto_on_hopper_is_pallas_and_matches_the_oracle(dims):
     """'auto' on a Hopper GPU: our kernels, and jnp-capacity for widths they cannot tile."""
-    from dropless.backends import get_backend
     from dropless.backends.backend import is_hopper
 
     if not is_hopper():
@@ -195,7 +201,7 @@ def test_auto_on_hopper_is_pallas_and_matches_the_oracle(dims):
     pallas = load("pallas")
     assert type(get_backend("auto").gmm) is pallas.PallasGroupedMatmul
     moe = MoE(*dims, SPECS[0], n_shared_experts=1, key=jax.random.key(0))
-    _check_layer_against_oracle(with_backend(moe, "auto"))
+    _check_layer_against_oracle(with_backend(moe, AutoBackend()))
 
 
 def _check_layer_against_oracle(moe):
@@ -410,8 +416,8 @@ def test_segmented_weight_grad_is_exact(layout, segment_steps):
 
 
 def _stage_mix(name):
-    """A registry name, or one TE stage inside jnp-capacity's bundle (to find which stage of
-    an all-TE bundle goes wrong): "te-dispatch" or "te-topk"."""
+    """The bundle of a backend's name, or one TE stage inside jnp-capacity's bundle (to find
+    which stage of an all-TE bundle goes wrong): "te-dispatch" or "te-topk"."""
     from dropless.backends import Backend
     from dropless.backends.capacity import CapacityGroupedMatmul
 
@@ -420,7 +426,7 @@ def _stage_mix(name):
         return Backend(module.TEDispatcher(), CapacityGroupedMatmul(), JnpTopK())
     if name == "te-topk":
         return Backend(SortDispatcher(), CapacityGroupedMatmul(), module.TETopK())
-    return name
+    return get_backend(name)
 
 
 SCAN_BUG = pytest.mark.xfail(
@@ -558,6 +564,7 @@ def test_te_dispatcher_under_scan():
         return jnp.sum(jax.lax.scan(body, x, params)[0].astype(jnp.float32) ** 2)
 
     grad = eqx.filter_jit(eqx.filter_grad(loss))
-    want, got = grad(with_backend(stack, "jnp-capacity"), x), grad(with_backend(stack, bundle), x)
+    want = grad(with_backend(stack, jnp_capacity_backend()), x)
+    got = grad(with_backend(stack, bundle), x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert rel_err(a, b) < 5 * BF16  # two bf16 layers compound (see the docstring)

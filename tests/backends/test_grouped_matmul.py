@@ -4,43 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import FlatWalk, grouped_matmuls
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dropless.backends.capacity import CapacityGroupedMatmul, capacity_grouped_matmul
-from dropless.backends.chunked import ChunkedGroupedMatmul, default_capacity, default_chunk
+from dropless.backends.capacity import CapacityGroupedMatmul
+from dropless.backends.chunked import ChunkedGroupedMatmul, default_chunk
 from dropless.backends.oracle import OneHotGroupedMatmul
-from dropless.backends.ragged import RaggedDot
-from dropless.experts import AbstractGroupedMatmul
 
-
-class FlatWalk(AbstractGroupedMatmul):
-    """`CapacityGroupedMatmul`'s overflow loop as it walks on an accelerator (one flat loop,
-    here 3 chunks per trip), run on any platform."""
-
-    requires_gpu = False
-
-    capacity_factor: float
-    chunk: int
-    chunks_per_trip: int = 3
-
-    def _impl(self, lhs, rhs, group_sizes):
-        rows, n_experts = lhs.shape[0], rhs.shape[0]
-        capacity = min(default_capacity(rows, n_experts, self.capacity_factor), rows)
-        return capacity_grouped_matmul(
-            lhs, rhs, group_sizes, capacity, self.chunk, self.chunks_per_trip
-        )
-
-
-STRATEGIES = [
-    ChunkedGroupedMatmul(),
-    ChunkedGroupedMatmul(chunk=16),
-    ChunkedGroupedMatmul(chunk=64),
-    CapacityGroupedMatmul(),
-    CapacityGroupedMatmul(capacity_factor=0.5, chunk=16),  # most rows overflow the slots
-    FlatWalk(capacity_factor=0.5, chunk=8),  # one flat loop
-    RaggedDot(),
-]
 ROWS, IN, OUT = 96, 24, 20
 FP32 = dict(rtol=2e-5, atol=2e-5)
 
@@ -71,7 +42,7 @@ def _strategy_id(gmm) -> str:
     )
 
 
-@pytest.mark.parametrize("gmm", STRATEGIES, ids=_strategy_id)
+@pytest.mark.parametrize("gmm", grouped_matmuls())
 @settings(max_examples=10)
 @given(groups())
 def test_equals_oracle_forward_and_gradient(gmm, g):

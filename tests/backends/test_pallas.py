@@ -211,19 +211,20 @@ def test_auto_picks_pallas_with_a_fallback_on_hopper(monkeypatch):
     """'auto' on a Hopper GPU is our kernels with jnp-capacity for untileable widths; where the
     kernels do not load it warns and falls back to te-gmm (here missing) and jnp-capacity."""
     from dropless.backends import BackendUnavailableError
-    from dropless.backends import registry as backends
+    from dropless.backends import auto as backends
     from dropless.backends.capacity import CapacityGroupedMatmul
+    from dropless.train.backend_names import get_backend
 
     def te_missing():
         raise BackendUnavailableError("needs `pip install 'transformer-engine[jax]'`")
 
-    monkeypatch.setitem(backends.BACKENDS, "te-gmm", te_missing)
+    monkeypatch.setattr(backends, "_te_gmm", te_missing)
     monkeypatch.setattr(backends, "is_hopper", lambda: True)
     monkeypatch.setattr(backends, "has_gpu", lambda: True)
     monkeypatch.setattr(pallas, "load_kernels", lambda: None)
     backends._auto_choice.cache_clear()
     try:
-        chosen = backends.get_backend("auto")
+        chosen = get_backend("auto")
         assert type(chosen.gmm) is pallas.PallasGroupedMatmul
         assert type(chosen.gmm.fallback) is CapacityGroupedMatmul
         backends._auto_choice.cache_clear()
@@ -233,7 +234,7 @@ def test_auto_picks_pallas_with_a_fallback_on_hopper(monkeypatch):
 
         monkeypatch.setattr(pallas, "load_kernels", kernels_missing)
         with pytest.warns(UserWarning, match="not importable; not using 'pallas'"):
-            chosen = backends.get_backend("auto")
+            chosen = get_backend("auto")
         assert type(chosen.gmm) is CapacityGroupedMatmul
     finally:
         backends._auto_choice.cache_clear()
@@ -245,7 +246,7 @@ def test_pallas_on_a_gpu_before_hopper_is_unavailable(monkeypatch):
     import jax
 
     from dropless.backends import BackendUnavailableError
-    from dropless.backends import registry as backends
+    from dropless.train.backend_names import get_backend
 
     class Ampere:
         platform, device_kind, compute_capability = "gpu", "NVIDIA A100-SXM4-80GB", "8.0"
@@ -257,7 +258,7 @@ def test_pallas_on_a_gpu_before_hopper_is_unavailable(monkeypatch):
             BackendUnavailableError,
             match=r"Hopper GPU .compute capability 9.x.; the first device is NVIDIA A100",
         ):
-            backends.get_backend("pallas")
+            get_backend("pallas")
     finally:
         pallas.load_kernels.cache_clear()
 

@@ -1,10 +1,12 @@
-"""What `dropless train` says when it is interrupted: only what is true (issue 53 row 3)."""
+"""What `dropless train` says when it is interrupted: only what is true (issue 53 row 3); the
+data it opens once."""
 
 import errno
 import os
 
 from dropless.cli.parsing import parse
 from dropless.cli.run import disk_line, run_train, what_is_saved
+from dropless.train.loop import data_source
 from dropless.train.store import lock as run_lock
 
 
@@ -44,3 +46,22 @@ def test_a_read_only_out_dir_is_one_line(tmp_path, monkeypatch, capsys):
 def test_the_line_of_a_full_disk_names_the_free_space(tmp_path):
     line = disk_line(OSError(errno.ENOSPC, "No space left on device"), str(tmp_path))
     assert line.startswith(f"no space left on the device of {tmp_path} (") and "free" in line
+
+
+def test_the_data_is_opened_once(tmp_path, monkeypatch, capsys):
+    """The command opens the data (to fit the vocabulary to the tokenizer's) and `train` takes
+    it opened: one opening per run."""
+    real, opened = data_source.SyntheticCorpus, []
+
+    def counted(*args, **kwargs):
+        opened.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data_source, "SyntheticCorpus", counted)
+    command = parse(["train", "--data", "synthetic", "--out-dir", str(tmp_path / "run"),
+                     "--steps", "1", "--warmup-steps", "0", "--batch-size", "2", "--seq-len",
+                     "16", "--eval-batches", "1", "--no-plots", "--no-progress", "--no-sample",
+                     "--no-compile-cache", "--backend", "jnp"])  # fmt: skip
+    assert run_train(command) == 0
+    assert len(opened) == 1
+    assert "Done in" in capsys.readouterr().out

@@ -12,10 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import backends
 from safetensors.numpy import load_file
 from test_hf_family import assert_matches_reference  # the families' parity check
 
-from dropless import get_backend, with_backend
+from dropless import with_backend
 from dropless.models import get_preset
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.models.deepseek_v3.hf import from_pretrained, save_pretrained
@@ -209,7 +210,8 @@ def randomized(model, key):
 
 
 @pytest.mark.slow
-def test_backends_equal_the_default(backend_name):
+@pytest.mark.parametrize("backend", backends())
+def test_backends_equal_the_default(backend):
     """Every CPU backend's loss and gradients equal the default strategies' on gpt-oss (the
     experts' biases and clamp take the unfused path whatever the strategy)."""
     config = get_preset("gpt-oss-tiny", swiglu_limit=0.5)
@@ -217,7 +219,7 @@ def test_backends_equal_the_default(backend_name):
     tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, config.vocab_size)
     run = eqx.filter_jit(eqx.filter_value_and_grad(plain_loss))
     loss, grads = run(model, tokens)
-    got_loss, got = run(with_backend(model, get_backend(backend_name)), tokens)
+    got_loss, got = run(with_backend(model, backend), tokens)
     np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
+from helpers import backends
 from jaxtyping import TypeCheckError
 
-from dropless.backends import Backend, get_backend, with_backend
+from dropless.backends import Backend, jnp_capacity_backend, ragged_backend, with_backend
 from dropless.models import get_preset as get_any_preset
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
@@ -202,7 +203,7 @@ def test_capacity_gradients_agree_with_chunked_under_scan(
     """The two pure-jnp grouped matmuls, each a hand-written custom VJP, give the same model
     gradients inside the scanned layers (TE's permutation did not), with rows overflowing
     jnp-capacity's slots."""
-    swapped = with_backend(model, "jnp-capacity")
+    swapped = with_backend(model, jnp_capacity_backend())
     long_tokens = jax.random.randint(jax.random.key(5), (4, 48), 0, 512)  # 384 copies, 16 experts
 
     def probe_loss(m, t):  # and the loads, from the same pass
@@ -408,7 +409,7 @@ def test_backend_is_a_value():
     """A `Backend` (its None fields keep the defaults) or None; a name raises TypeError naming
     `get_backend`."""
     c = get_preset("tiny")
-    ragged = get_backend("ragged")
+    ragged = ragged_backend()
     model = DeepSeekV3(c, backend=ragged, key=jax.random.key(0))
     assert model.moe_layers.mlp.experts.gmm == ragged.gmm
     default = DeepSeekV3(c, key=jax.random.key(0))
@@ -454,13 +455,14 @@ def plain_loss(model, tokens):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", FAMILY_PRESETS)
-def test_family_backends_equal_the_default(preset, backend_name, tokens):
+@pytest.mark.parametrize("backend", backends())
+def test_family_backends_equal_the_default(preset, backend, tokens):
     """Every CPU backend's loss and gradients equal the default strategies' (each backend is
     held to the MoE oracle in tests/test_moe.py) on each family's model."""
     model = DeepSeekV3(get_any_preset(preset, num_hidden_layers=2), key=jax.random.key(0))
     run = eqx.filter_jit(eqx.filter_value_and_grad(plain_loss))
     loss, grads = run(model, tokens)
-    got_loss, got = run(with_backend(model, get_backend(backend_name)), tokens)
+    got_loss, got = run(with_backend(model, backend), tokens)
     np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from dropless import sharding
 from dropless.backends import with_backend
+from dropless.backends.ep import ep_backend
 from dropless.moe import MoE
 from dropless.routing import RoutingSpec
 
@@ -168,7 +169,7 @@ def test_experts_must_divide():
 
 def test_shard_model_and_opt_state():
     mesh = sharding.make_mesh(data=2, fsdp=2, expert=2)
-    moe = with_backend(make_moe(), "ep")
+    moe = with_backend(make_moe(), ep_backend())
     placed = sharding.shard_model(moe, mesh, fsdp_min_size=256)
     params = eqx.filter(placed, eqx.is_inexact_array)
     opt_state = optax.adam(1e-3).init(params)
@@ -206,7 +207,7 @@ def test_sharded_moe_with_fsdp_matches_single_device():
         return jnp.sum(jnp.sin(y)), stats
 
     f = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
-    layer = sharding.shard_moe(with_backend(moe, "ep"), mesh, seq_len=4, fsdp_min_size=256)
+    layer = sharding.shard_moe(with_backend(moe, ep_backend()), mesh, seq_len=4, fsdp_min_size=256)
     (value, st), g = f(layer, x)
     (l_ref, st_ref), g_ref = f(moe, x)
     np.testing.assert_allclose(value, l_ref, rtol=RTOL, atol=ATOL)
@@ -224,7 +225,7 @@ def test_dispatchers_must_exchange_over_the_expert_axis():
     from dropless.backends.ep import AllToAllDispatcher
 
     mesh = sharding.make_mesh(data=2, expert=4)
-    moe = with_backend(make_moe(), "ep")
+    moe = with_backend(make_moe(), ep_backend())
     sharding.check_expert_parallel(moe, mesh)  # the "ep" backend's axis
     for axis, message in (("data", "but the experts are split over 'expert'"),
                           ("model", "which is not an axis of the mesh")):  # fmt: skip

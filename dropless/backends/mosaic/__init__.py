@@ -23,8 +23,9 @@ callers ignore those rows (their output gradient is zero).
 
 Modules: `schedule` (the forward's settings and tile schedule), `forward` (the forward and
 input-gradient kernel, and its fused SwiGLU epilogue), `gate_up` (the fused kernel's weight
-layout), `weight_grad` (the weight-gradient kernel), `launch` (the frame they share; tests run
-the kernels through Mosaic GPU's interpreter by setting `launch.INTERPRET`).
+layout), `weight_grad_schedule` (the weight gradient's settings and runs of experts),
+`weight_grad` (the weight-gradient kernel), `launch` (the frame they share; tests run the
+kernels through Mosaic GPU's interpreter by setting `launch.INTERPRET`).
 """
 
 from dropless.backends.mosaic.forward import grouped_matmul, grouped_matmul_swiglu
@@ -35,10 +36,10 @@ from dropless.backends.mosaic.gate_up import (
 )
 from dropless.backends.mosaic.launch import ROW_ALIGN
 from dropless.backends.mosaic.schedule import KernelConfig, config_for, matmul_fits, tile_schedule
-from dropless.backends.mosaic.weight_grad import (
+from dropless.backends.mosaic.weight_grad import grouped_weight_grad
+from dropless.backends.mosaic.weight_grad_schedule import (
     WeightGradConfig,
     expert_segments,
-    grouped_weight_grad,
     weight_grad_config_for,
     weight_grad_fits,
 )

@@ -1,7 +1,7 @@
 """The weight-gradient kernel: `lhs[rows of e].T @ grad[rows of e]` for every group e, one
-pipeline per expert or per run of consecutive experts."""
+pipeline per expert or per run of consecutive experts. Its settings and the runs of experts:
+`weight_grad_schedule`."""
 
-import dataclasses
 import functools
 
 import jax.experimental.pallas as pl
@@ -20,48 +20,11 @@ from dropless.backends.mosaic.launch import (
     swizzled,
     warp_specialized,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightGradConfig:
-    """Tiles of the weight gradient: a thread block computes `2*tile_m x tile_n` of a `[k n]`
-    gradient (one `tile_m` half per compute warpgroup), walking rows `tile_k` at a time. `band`
-    as in `KernelConfig`: 16 was the fastest of 4 / 8 / 16 on an H200 at DeepSeek-V3 widths,
-    most with 256 small experts.
-
-    `segment_steps`: a thread block walks the rows of a run of consecutive experts (about this
-    many `tile_k` chunks, in a power-of-two number of runs) in one pipeline, storing each
-    expert's tile when its rows end; so a small expert costs no pipeline fill and drain of its
-    own. None: one pipeline per expert and tile."""
-
-    tile_m: int = 128
-    tile_n: int = 128
-    tile_k: int = 64
-    max_concurrent_steps: int = 3
-    band: int = 16
-    segment_steps: int | None = None
-
-    def __post_init__(self):
-        if self.segment_steps is not None and self.segment_steps < 1:
-            raise ValueError(
-                f"WeightGradConfig.segment_steps={self.segment_steps} must be None or >= 1"
-            )
-
-
-def weight_grad_config_for(rows: int, n_groups: int) -> WeightGradConfig:
-    """The weight gradient's settings for `rows` over `n_groups`. Chosen on an H200 by kernel
-    time: runs of 64 chunks where experts average at most 512 rows (at 256, +4-7% balanced and
-    +18-31% Dirichlet over one pipeline per expert; at 512, -5% and +8%); one pipeline per
-    expert above (3-21% faster there, except 1% slower at 2048 Dirichlet)."""
-    if rows <= 512 * n_groups:
-        return WeightGradConfig(segment_steps=64)
-    return WeightGradConfig()
-
-
-def weight_grad_fits(k: int, n: int, config: WeightGradConfig | None = None) -> bool:
-    """Whether the weight-gradient tiles divide a `[k n]` weight."""
-    c = config or WeightGradConfig()
-    return k % (2 * c.tile_m) == 0 and n % c.tile_n == 0
+from dropless.backends.mosaic.weight_grad_schedule import (
+    WeightGradConfig,
+    expert_segments,
+    weight_grad_config_for,
+)
 
 
 def grouped_weight_grad(
@@ -92,18 +55,6 @@ def _segment_count(rows: int, n_groups: int, c: WeightGradConfig) -> int:
     """A power of two (equal runs of a power-of-two expert count), at most one per expert."""
     runs = max(1, min(n_groups, rows // c.tile_k // c.segment_steps))
     return 1 << (runs.bit_length() - 1)
-
-
-def expert_segments(
-    group_sizes: Int[Array, " experts"], rows: int, segments: int
-) -> Int[Array, " segments_plus_1"]:
-    """The first group of each of `segments` runs of consecutive groups, and the group count at
-    the end: a run starts at the first group that starts at or past its share of the rows, so
-    the runs hold about even rows (a group larger than a share leaves some runs empty)."""
-    starts, ends = group_bounds(group_sizes, rows)
-    share = ends[-1] * jnp.arange(segments + 1) // segments
-    first = jnp.searchsorted(starts, share, side="left", method="compare_all")
-    return first.at[0].set(0).at[-1].set(group_sizes.shape[0]).astype(jnp.int32)
 
 
 def _chunk_pipeline(mma, compute_context, first_chunk, n_steps, *, dtype, c: WeightGradConfig):
@@ -202,6 +153,8 @@ def _launch_weight_grad(bounds, lhs, grad, n_groups: int, c: WeightGradConfig):
     return kernel(bounds, lhs, grad)
 
 
+# Over 60 lines: one kernel body, whose closures (`store`, the pipeline's context) share the
+# tile's traced values; its chunk step is `_segment_mma`.
 def _launch_segmented_weight_grad(bounds, first_groups, lhs, grad, c: WeightGradConfig):
     """`grouped_weight_grad` with one pipeline per (run of groups, output tile) over the run's
     `tile_k`-row chunks. A chunk inside the current group is multiplied as it is; a chunk
@@ -238,51 +191,16 @@ def _launch_segmented_weight_grad(bounds, first_groups, lhs, grad, c: WeightGrad
                 plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[g, weight_rows, cols])
                 acc[...] = jnp.zeros((c.tile_m, c.tile_n), jnp.float32)
 
-            def mma(idx, lhs_smem, grad_smem, carry):
-                acc, group, group_end = carry  # the group of the chunk's first rows
-                half = lhs_smem.at[:, wg_rows]
-                chunk0 = (first_chunk + idx[0]) * c.tile_k
-                chunk_end = chunk0 + c.tile_k
-                lo = jnp.clip(seg_start - chunk0, 0, c.tile_k)
-                inside = (lo == 0) & (group_end > chunk_end)
-
-                @pl.when(inside)
-                def _():
-                    plgpu.wgmma(acc, half.transpose((1, 0)), grad_smem)
-                    plgpu.wgmma_wait(0)
-
-                # Otherwise the rows are split between groups: keep a copy to mask from.
-                shape = (c.tile_k, c.tile_m)
-                x = lax.cond(inside, lambda: jnp.zeros(shape, dtype), lambda: half[...])
-                row = _row_index(shape)
-
-                def add_rows(first, end):  # acc += this chunk's rows [first, end)
-                    @pl.when(end > first)
-                    def _():
-                        half[...] = x * ((row >= first) & (row < end)).astype(dtype)
-                        plgpu.commit_smem()
-                        plgpu.wgmma(acc, half.transpose((1, 0)), grad_smem)
-                        plgpu.wgmma_wait(0)
-
-                def ends_here(loop):
-                    _, g, g_end = loop
-                    return (g < g1) & (g_end <= chunk_end)
-
-                def finish_group(loop):
-                    first, g, g_end = loop
-                    add_rows(first, g_end - chunk0)
-                    store(acc, g)
-                    return jnp.maximum(first, g_end - chunk0), g + 1, end_of(g + 1)
-
-                first, group, group_end = lax.while_loop(
-                    ends_here, finish_group, (lo, group, group_end)
-                )
-
-                @pl.when(~inside & (group < g1))
-                def _():
-                    add_rows(first, c.tile_k)  # the rest is the next group's
-
-                return acc, group, group_end
+            mma = _segment_mma(
+                first_chunk=first_chunk,
+                seg_start=seg_start,
+                g1=g1,
+                end_of=end_of,
+                store=store,
+                wg_rows=wg_rows,
+                dtype=dtype,
+                c=c,
+            )
 
             def compute_context(run):
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
@@ -301,6 +219,58 @@ def _launch_segmented_weight_grad(bounds, first_groups, lhs, grad, c: WeightGrad
 
     kernel = make_kernel(body, (n_groups, k, n), dtype)
     return kernel(bounds, first_groups, lhs, grad)
+
+
+def _segment_mma(*, first_chunk, seg_start, g1, end_of, store, wg_rows, dtype, c: WeightGradConfig):
+    """The pipeline step of `_launch_segmented_weight_grad` for a run of groups that ends
+    before group `g1`: its carry is (accumulator, the group of the chunk's first rows, that
+    group's end row); `store(acc, g)` writes group g's tile and clears the accumulator."""
+
+    def mma(idx, lhs_smem, grad_smem, carry):
+        acc, group, group_end = carry  # the group of the chunk's first rows
+        half = lhs_smem.at[:, wg_rows]
+        chunk0 = (first_chunk + idx[0]) * c.tile_k
+        chunk_end = chunk0 + c.tile_k
+        lo = jnp.clip(seg_start - chunk0, 0, c.tile_k)
+        inside = (lo == 0) & (group_end > chunk_end)
+
+        @pl.when(inside)
+        def _():
+            plgpu.wgmma(acc, half.transpose((1, 0)), grad_smem)
+            plgpu.wgmma_wait(0)
+
+        # Otherwise the rows are split between groups: keep a copy to mask from.
+        shape = (c.tile_k, c.tile_m)
+        x = lax.cond(inside, lambda: jnp.zeros(shape, dtype), lambda: half[...])
+        row = _row_index(shape)
+
+        def add_rows(first, end):  # acc += this chunk's rows [first, end)
+            @pl.when(end > first)
+            def _():
+                half[...] = x * ((row >= first) & (row < end)).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.wgmma(acc, half.transpose((1, 0)), grad_smem)
+                plgpu.wgmma_wait(0)
+
+        def ends_here(loop):
+            _, g, g_end = loop
+            return (g < g1) & (g_end <= chunk_end)
+
+        def finish_group(loop):
+            first, g, g_end = loop
+            add_rows(first, g_end - chunk0)
+            store(acc, g)
+            return jnp.maximum(first, g_end - chunk0), g + 1, end_of(g + 1)
+
+        first, group, group_end = lax.while_loop(ends_here, finish_group, (lo, group, group_end))
+
+        @pl.when(~inside & (group < g1))
+        def _():
+            add_rows(first, c.tile_k)  # the rest is the next group's
+
+        return acc, group, group_end
+
+    return mma
 
 
 def _mask_rows(half, first, end, tile_k: int, tile_m: int, dtype) -> None:

@@ -95,13 +95,14 @@ def _cast_matmul_weights(arrays: PyTree, dtype) -> PyTree:
 def moe_strategies(backend: Backend | None) -> dict[str, Any]:
     """The `MoE` strategy arguments (`dispatcher`, `gmm`, `topk`) that `backend` sets: its
     fields that are not None; None sets none (MoE's defaults). Raises TypeError for anything
-    else: names are resolved where a program starts, with `dropless.get_backend(name)`."""
+    else: names are resolved where a program starts, with
+    `dropless.train.get_backend(name)`."""
     if backend is None:
         return {}
     if not isinstance(backend, Backend):
         hint = ""
         if isinstance(backend, str):
-            hint = f"; for a backend's name, pass dropless.get_backend({backend!r})"
+            hint = f"; for a backend's name, pass dropless.train.get_backend({backend!r})"
         raise TypeError(f"backend must be a dropless.Backend or None, got {backend!r}{hint}")
     fields = {"dispatcher": backend.dispatcher, "gmm": backend.gmm, "topk": backend.topk}
     return {name: value for name, value in fields.items() if value is not None}

@@ -65,7 +65,7 @@ class DeepSeekV3(eqx.Module):
     (None when tied: the head is `embed_tokens.T`), `mtp` (`MTP`, or None).
 
     `backend`: the MoE layers' strategies (`dropless.Backend`; its None fields, or None, keep
-    `MoE`'s defaults). A registry name is resolved first: `backend=dropless.get_backend(name)`.
+    `MoE`'s defaults). A name is resolved first: `backend=dropless.train.get_backend(name)`.
     """
 
     embed_tokens: Float[Array, "vocab dim"]

@@ -29,6 +29,7 @@ from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.train.config import TrainConfig
 from dropless.train.loop import distributed, offload, setup, throughput
 from dropless.train.loop.callbacks import Callback
+from dropless.train.loop.data_source import DataSource
 from dropless.train.loop.finish import TrainResults, finish
 from dropless.train.loop.guard import TrainingDiverged, check_step
 from dropless.train.loop.preempt import StopOnSigterm, TrainingPreempted
@@ -212,12 +213,17 @@ def train(
     out_dir: str,
     callbacks: Sequence[Callback] = (),
     mesh: str | None = None,
+    data: DataSource | None = None,
 ) -> TrainResults:
     """Trains a DeepSeek-V3 model of `model_config` and writes its results into `out_dir`.
 
     `backend`: `AutoBackend()` (the best this machine runs; config.yaml records "auto"), an MoE
-    backend name (see `dropless.backends.BACKENDS`), or a `Backend` value (config.yaml then
+    backend name (see `dropless.train.BACKENDS`), or a `Backend` value (config.yaml then
     records "custom"); resolved once, here.
+    `data`: the data of `train_config.data`, already opened
+    (`dropless.train.loop.data_source.open_data(train_config, model_config.vocab_size)`, as the
+    `dropless` command does to fit the model's vocabulary to the tokenizer's); None opens it
+    here. Either way it is opened once.
     `train_config.resume`: continue from the latest checkpoint in `out_dir/checkpoints` (the
     model configuration must match, except its compute dtype, remat, attention implementation
     and layer unrolling; the training settings may change); the batches, and on CPU the losses,
@@ -239,7 +245,12 @@ def train(
     # the first step compiles stops the run after that step, saved
     with StopOnSigterm() as stop:
         run = setup.start(
-            model_config, train_config, backend=backend, out_dir=out_dir, callbacks=callbacks
+            model_config,
+            train_config,
+            backend=backend,
+            out_dir=out_dir,
+            callbacks=callbacks,
+            data=data,
         )
         try:
             records, eval_records = run_steps(run, stop)

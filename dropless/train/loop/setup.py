@@ -15,9 +15,10 @@ import numpy as np
 import yaml
 from jax.sharding import Mesh
 
-from dropless.backends import AutoBackend, Backend, get_backend, resolve_backend_name
+from dropless.backends import AutoBackend, Backend
 from dropless.data.datasets import AbstractDataset, Batch
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
+from dropless.train.backend_names import get_backend, resolve_backend_name
 from dropless.train.config import TrainConfig
 from dropless.train.loop import distributed, offload
 from dropless.train.loop.callbacks import Callback, TensorBoard
@@ -266,9 +267,11 @@ def start(
     backend: str | Backend | AutoBackend,
     out_dir: str,
     callbacks: Sequence[Callback],
+    data: DataSource | None = None,
 ) -> Run:
     """Checks the settings, then builds (or restores) the state and opens the output files;
-    calls every callback's `on_start`. `backend` is resolved here, once (`get_backend`).
+    calls every callback's `on_start`. `backend` is resolved here, once (`get_backend`);
+    `data` (None: `train_config.data`) is opened here unless it comes opened.
     In a multi-process job (`distributed.initialize_from_env`) only process 0 writes files and
     runs the callbacks."""
     distributed.initialize_from_env()
@@ -278,7 +281,8 @@ def start(
     name = name if isinstance(name, str) else CUSTOM_BACKEND
     mesh = resolve_mesh(train_config.mesh, model_config, train_config)
     _check_backend_fits_mesh(name, moe_backend, mesh)
-    data = open_data(train_config, model_config.vocab_size)
+    if data is None:
+        data = open_data(train_config, model_config.vocab_size)
     check_vocab(model_config, data)
     _check_data((data.train, data.eval), model_config, train_config)
     out_dir = os.path.abspath(out_dir)

@@ -15,7 +15,7 @@ import equinox as eqx
 import jax
 import yaml
 
-from dropless.backends import get_backend
+from dropless.backends import jnp_backend
 from dropless.data.verify import read_meta, verify_prepared
 from dropless.models.deepseek_v3 import DeepSeekV3
 from dropless.train.loop.data_source import open_data
@@ -55,7 +55,7 @@ def verify_run(run_dir: str | os.PathLike, *, data_hashes: bool = False) -> list
 def _checkpoints(directory: str, model_config, train_config) -> list[Check]:
     if not os.path.isdir(directory):
         return [Check("checkpoints", False, f"{directory} does not exist")]
-    backend = get_backend("jnp")
+    backend = jnp_backend()
 
     def fresh():
         return init_state(DeepSeekV3(model_config, backend=backend, key=jax.random.key(0)),

@@ -8,7 +8,7 @@ CHECKPOINT_DIR = "checkpoints"
 # In a prepared data directory: the tokenizer a run's data was encoded with.
 TOKENIZER_FILE = "tokenizer.json"
 
-# What config.yaml records for a `Backend` value that is no registry name.
+# What config.yaml records for a `Backend` value that has no name (`dropless.train.BACKENDS`).
 CUSTOM_BACKEND = "custom"
 
 # `TrainConfig.data` values that name a built-in corpus rather than a prepared directory.

@@ -20,11 +20,12 @@ import equinox as eqx
 import jax
 import yaml
 
-from dropless.backends import Backend, get_backend
+from dropless.backends import Backend
 from dropless.data import default_corpus_dir
 from dropless.data.tokenizer import AbstractTokenizer, load_tokenizer
 from dropless.data.verify import sha256_file
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
+from dropless.train.backend_names import get_backend
 from dropless.train.config import TrainConfig
 from dropless.train.step.step import init_state
 from dropless.train.store.checkpoint import Checkpointer, CheckpointError, CorruptCheckpoint

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 
-from dropless.backends import get_backend
+from dropless.backends import jnp_backend
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
 from dropless.train import (
     Callback,
@@ -36,7 +36,7 @@ from dropless.train import (
     read_jsonl,
     train,
 )
-from dropless.train.loop import setup
+from dropless.train.loop import data_source, setup
 from dropless.train.store.lock import RunDirectoryLocked, RunLock
 
 # Two layers (a dense and an MoE layer) and the MTP block: what the loop does is the same with
@@ -355,9 +355,28 @@ def test_a_backend_value_runs_as_its_name_does(tmp_path, config):
     """`train` takes a `Backend` value as well as a name (resolved once, at this edge)."""
     settings = config(steps=2, warmup_steps=1)
     named = train(TINY, settings, backend="jnp", out_dir=str(tmp_path / "named"))
-    value = train(TINY, settings, backend=get_backend("jnp"), out_dir=str(tmp_path / "v"))
+    value = train(TINY, settings, backend=jnp_backend(), out_dir=str(tmp_path / "v"))
     np.testing.assert_array_equal(value.losses, named.losses)
     assert "backend: custom" in (tmp_path / "v" / "config.yaml").read_text()
+
+
+def test_train_takes_the_data_opened_and_opens_none_itself(tmp_path, config, monkeypatch):
+    """`train(..., data=...)` runs on the source given, opening nothing; without it,
+    `train_config.data` is opened once; the two runs are the same."""
+    settings = config(steps=2, warmup_steps=1)
+    source = data_source.open_data(settings, TINY.vocab_size)
+    real, opened = data_source.SyntheticCorpus, []
+
+    def counted(*args, **kwargs):
+        opened.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data_source, "SyntheticCorpus", counted)
+    given = train(TINY, settings, backend="jnp", out_dir=str(tmp_path / "given"), data=source)
+    assert opened == []
+    fresh = train(TINY, settings, backend="jnp", out_dir=str(tmp_path / "fresh"))
+    assert len(opened) == 1
+    np.testing.assert_array_equal(given.losses, fresh.losses)
 
 
 def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(tmp_path, config):

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dropless import sharding
-from dropless.backends import get_backend, with_backend
+from dropless.backends import jnp_capacity_backend, with_backend
 from dropless.backends.ep import ep_backend
 from dropless.models import get_preset as get_any_preset
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
@@ -46,7 +46,7 @@ def make_moe(seed: int = 0) -> MoE:
 
 
 def ep(model):
-    return with_backend(model, get_backend("ep"))
+    return with_backend(model, ep_backend())
 
 
 def make_step(loss_fn, optimizer, mesh, *, has_aux=False, diff_filter=eqx.is_inexact_array, **kw):
@@ -248,7 +248,7 @@ def test_prepare_model_keeps_an_expert_parallel_backend_and_replaces_others():
 
     own = DeepSeekV3(config, backend=ep_backend(recv_factor=3.0), key=jax.random.key(0))
     assert dispatcher(prepare_model(own, mesh)) == dispatcher(own)
-    capacity = DeepSeekV3(config, backend=get_backend("jnp-capacity"), key=jax.random.key(0))
+    capacity = DeepSeekV3(config, backend=jnp_capacity_backend(), key=jax.random.key(0))
     plain = prepare_model(capacity, mesh)
     assert dispatcher(plain) == ep_backend().dispatcher
     assert sharded.stages(plain) == {

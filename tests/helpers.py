@@ -1,0 +1,122 @@
+"""What the property tests share (as Lineax's tests/helpers.py does): the one list of strategy
+values they run over, and the test doubles and switches they need. Imported as `helpers`
+(tests/ is on the path through tests/conftest.py)."""
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+import jax
+import jaxtyping
+import pytest
+
+from dropless.backends import (
+    Backend,
+    BackendUnavailableError,
+    CapacityGroupedMatmul,
+    ChunkedGroupedMatmul,
+    jnp_backend,
+    jnp_capacity_backend,
+    ragged_backend,
+)
+from dropless.backends.bundles import lazy
+from dropless.backends.capacity import capacity_grouped_matmul
+from dropless.backends.chunked import default_capacity
+from dropless.experts import AbstractGroupedMatmul
+
+
+class FlatWalk(AbstractGroupedMatmul):
+    """`CapacityGroupedMatmul`'s overflow loop as it walks on an accelerator (one flat loop,
+    here 3 chunks per trip), run on any platform."""
+
+    requires_gpu = False
+
+    capacity_factor: float
+    chunk: int
+    chunks_per_trip: int = 3
+
+    def _impl(self, lhs, rhs, group_sizes):
+        rows, n_experts = lhs.shape[0], rhs.shape[0]
+        capacity = min(default_capacity(rows, n_experts, self.capacity_factor), rows)
+        return capacity_grouped_matmul(
+            lhs, rhs, group_sizes, capacity, self.chunk, self.chunks_per_trip
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A strategy value under test. `shipped`: a single-device backend as dropless ships it
+    (the layer and model tests run over these); else settings of a stage that take code paths
+    of their own (the stage's tests run over those too)."""
+
+    id: str
+    make: Callable[[], Backend]
+    shipped: bool = True
+
+
+def _has_gpu() -> bool:
+    return any(d.platform == "gpu" for d in jax.devices())
+
+
+# The one list of strategy values. The GPU bundles load their modules lazily, as the command
+# line's names do; where one does not load or needs a GPU, its tests are skipped, saying why.
+STRATEGIES = [
+    Strategy("jnp", jnp_backend),
+    Strategy("jnp-capacity", jnp_capacity_backend),
+    Strategy("ragged", ragged_backend),
+    Strategy("te", lazy("dropless.backends.te", "te_backend")),
+    Strategy("te-gmm", lazy("dropless.backends.te", "te_gmm_backend")),
+    Strategy("pallas", lazy("dropless.backends.pallas", "pallas_backend")),
+    Strategy("tokamax", lazy("dropless.backends.tokamax", "tokamax_backend")),
+    Strategy("chunk=16", lambda: Backend(gmm=ChunkedGroupedMatmul(chunk=16)), shipped=False),
+    Strategy("chunk=64", lambda: Backend(gmm=ChunkedGroupedMatmul(chunk=64)), shipped=False),
+    # most rows overflow the slots
+    Strategy(
+        "capacity=0.5,chunk=16",
+        lambda: Backend(gmm=CapacityGroupedMatmul(capacity_factor=0.5, chunk=16)),
+        shipped=False,
+    ),
+    # the accelerators' one flat loop
+    Strategy("flat-walk", lambda: Backend(gmm=FlatWalk(capacity_factor=0.5, chunk=8)), False),
+]
+
+
+def _param(strategy: Strategy, value) -> "pytest.ParameterSet":
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            backend = strategy.make()
+    except BackendUnavailableError as err:
+        return pytest.param(None, id=strategy.id, marks=pytest.mark.skip(reason=str(err)))
+    if backend.requires_gpu and not _has_gpu():
+        return pytest.param(None, id=strategy.id, marks=pytest.mark.skip(reason="needs a GPU"))
+    return pytest.param(value(backend), id=strategy.id)
+
+
+def backends() -> list:
+    """Each shipped single-device backend, as a `Backend` value: what the layer and model
+    property tests run over."""
+    return [_param(s, lambda b: b) for s in STRATEGIES if s.shipped]
+
+
+def grouped_matmuls() -> list:
+    """The grouped matmul of every strategy of the list that runs on any platform: what the
+    grouped-matmul property tests run over."""
+    params = []
+    for strategy in STRATEGIES:
+        param = _param(strategy, lambda b: b.gmm)
+        gmm = param.values[0]
+        if gmm is not None and not type(gmm).requires_gpu:
+            params.append(param)
+    return params
+
+
+@contextlib.contextmanager
+def jaxtyping_disabled():
+    """The tests' runtime type checks off: what a user's script, without them, reaches."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
