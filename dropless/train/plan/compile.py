@@ -10,14 +10,13 @@ jax-cuda12-plugin==V`; its nvidia wheels are not needed), JAX on its CPU platfor
 (`JAX_PLATFORMS=cpu`: the plugin then skips its driver check but still compiles), and two
 compiler options that keep XLA from asking a CUDA runtime for autotuning and for CUB's sort
 scratch size (`GPU_COMPILER_OPTIONS`). The H100 spec is XLA's (h100_target_config.txtpb, beside
-this file); the H200 is the same die with its own memory size and bandwidth. Without autotuning
-the figures can differ from a compile on the device by some percent.
+this file), the H200's the one XLA wrote on an H200 (h200_target_config.txtpb). Without
+autotuning the figures can differ from a compile on the device by some percent.
 """
 
 import dataclasses
 import importlib.resources
 import importlib.util
-import re
 
 import equinox as eqx
 import jax
@@ -31,11 +30,9 @@ from dropless.train.config import TrainConfig
 from dropless.train.step.sharded import prepare_model, sharded_train_step, state_shardings
 from dropless.train.step.step import init_state, train_step
 
-# name -> (device_memory_size, memory_bandwidth, device name) written over the H100 spec's
-GPUS = {
-    "H100": None,
-    "H200": (151397597184, 4800000000000, "NVIDIA H200 141GB HBM3e"),
-}
+# name -> XLA's target description, beside this file: the H100's from XLA's sources, the
+# H200's as XLA wrote it on an H200
+GPUS = {"H100": "h100_target_config.txtpb", "H200": "h200_target_config.txtpb"}
 GPU_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_cub_radix_sort": False}
 GPUS_PER_HOST = 8
 
@@ -65,15 +62,7 @@ def target_config(gpu: str) -> str:
     """XLA's `GpuTargetConfigProto` text of `gpu` ("H100" or "H200")."""
     if gpu not in GPUS:
         raise ValueError(f"gpu ({gpu!r}) must be one of {tuple(GPUS)}")
-    text = (
-        importlib.resources.files("dropless.train.plan") / "h100_target_config.txtpb"
-    ).read_text()
-    if GPUS[gpu] is not None:
-        memory, bandwidth, name = GPUS[gpu]
-        text = re.sub(r"device_memory_size: \d+", f"device_memory_size: {memory}", text)
-        text = re.sub(r"memory_bandwidth: \d+", f"memory_bandwidth: {bandwidth}", text)
-        text = text.replace("NVIDIA H100 80GB HBM3", name)
-    return text
+    return (importlib.resources.files("dropless.train.plan") / GPUS[gpu]).read_text()
 
 
 def cuda_plugin_version() -> str | None:

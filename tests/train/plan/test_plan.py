@@ -17,7 +17,7 @@ from dropless import cli
 from dropless.experts import GroupedExperts
 from dropless.models.deepseek_v3 import DeepSeekV3, count_params, get_preset
 from dropless.train import TrainConfig, init_state, train_step
-from dropless.train.plan.compile import compiled_memory, cuda_plugin_version
+from dropless.train.plan.compile import compiled_memory, cuda_plugin_version, target_config
 from dropless.train.plan.plan import flops_per_token, format_plan, parse_bytes, plan, train_config
 
 BATCH, SEQ = 16, 64  # TrainConfig's defaults: activations several times the state in tiny
@@ -107,6 +107,29 @@ def test_compiles_for_8_gpus_without_one():
     assert "H200" in got["kind"]
     assert got["arguments"] == got["state"] + 16 // 8 * 65 * 4
     assert 0.85 <= got["plan"] / got["total"] <= 1.15, got
+
+
+_DESCRIBE_GPUS = """
+import json
+from dropless.train.plan.compile import GPUS, gpu_devices
+print(json.dumps({gpu: gpu_devices(gpu, 8)[0].device_kind for gpu in GPUS}))
+"""
+
+
+@pytest.mark.skipif(
+    cuda_plugin_version() != jax.__version__, reason="needs the CUDA PJRT plugin at jax's version"
+)
+def test_every_gpu_spec_describes_its_gpu():
+    """The kept target descriptions parse and name their GPU (in a subprocess: the plugin must
+    not start a GPU backend here); the H200's carries the memory XLA saw on one."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run(
+        [sys.executable, "-c", _DESCRIBE_GPUS], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    kinds = json.loads(run.stdout.strip().splitlines()[-1])
+    assert kinds == {"H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
+    assert "device_memory_size: 150109880320" in target_config("H200")
 
 
 def test_compile_without_the_plugin_is_one_line(capsys, monkeypatch):
