@@ -29,7 +29,13 @@ from dropless.balance import (
     tokens_per_expert,
     update_expert_bias,
 )
-from dropless.bias_update import AbstractBiasUpdate, ProportionalBiasUpdate, SignBiasUpdate
+from dropless.bias_update import (
+    AbstractBiasUpdate,
+    PIDBiasUpdate,
+    PIDState,
+    ProportionalBiasUpdate,
+    SignBiasUpdate,
+)
 from dropless.dispatch import AbstractDispatcher, AbstractExpertParallelDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul, GroupedExperts
 from dropless.moe import MoE, MoEStats, routing_stats
@@ -47,6 +53,8 @@ __all__ = [
     "BACKENDS",
     "AutoBackend",
     "AbstractBiasUpdate",
+    "PIDBiasUpdate",
+    "PIDState",
     "ProportionalBiasUpdate",
     "SignBiasUpdate",
     "coselection",

@@ -18,7 +18,9 @@ from dropless.models.deepseek_v3.model import (
     ModelFeatures,
     ModelOutput,
     check_tokens,
+    expert_bias_state,
     recorded_routing,
+    step_expert_bias,
     with_updated_expert_bias,
 )
 from dropless.models.deepseek_v3.mtp import MTP, MTPModule, mtp_targets
@@ -54,5 +56,7 @@ __all__ = [
     "to_hf",
     "unstack",
     "recorded_routing",
+    "expert_bias_state",
+    "step_expert_bias",
     "with_updated_expert_bias",
 ]

@@ -10,8 +10,8 @@ loss = cross-entropy(next token)
 "MoE layers" are the main stack's and the MTP blocks'. The routers' `expert_bias`
 (aux-loss-free balancing) is no parameter of the optimiser: it is partitioned out before the
 gradient (so it gets neither gradient nor weight decay) and moved after the optimiser step by
-its router's rule (`dropless.bias_update`, through `with_updated_expert_bias`) from the step's
-tokens-per-expert.
+its router's rule (`dropless.bias_update`, through `step_expert_bias`) from the step's
+tokens-per-expert; a rule with a memory (the PID rule) keeps it in `TrainState.bias_state`.
 
 Loss weights and the schedule live in the state as arrays (`TrainState.hparams`), like the
 optimiser's numbers: the compiled step depends only on the model and the batch shape.
@@ -30,8 +30,9 @@ from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     ModelFeatures,
     ModelOutput,
+    expert_bias_state,
     mtp_targets,
-    with_updated_expert_bias,
+    step_expert_bias,
 )
 from dropless.moe import MoE, MoEStats
 from dropless.precision import apply_updates
@@ -69,6 +70,7 @@ class TrainState(eqx.Module):
     expert_load: Float[Array, "layers experts"]  # tokens per expert, summed over the run
     hparams: dict[str, Float[Array, ""]]  # HPARAM_FIELDS of the TrainConfig, as arrays
     master: PyTree | None = None  # float32 trainable arrays, when the model's are narrower
+    bias_state: PyTree = None  # the bias rules' memory (`expert_bias_state`; None: none)
     grad_accum_dtype: str = eqx.field(default="float32", static=True)
 
 
@@ -107,6 +109,7 @@ def init_state(model: DeepSeekV3, config: TrainConfig) -> TrainState:
         expert_load=jnp.zeros((rows, model.config.n_routed_experts), jnp.float32),
         hparams=hparams(config),
         master=master,
+        bias_state=expert_bias_state(model),
         grad_accum_dtype=config.grad_accum_dtype,
     )
 
@@ -129,6 +132,7 @@ def with_config(state: TrainState, config: TrainConfig) -> TrainState:
         expert_load=state.expert_load,
         hparams=hparams(config),
         master=state.master,
+        bias_state=state.bias_state,
         grad_accum_dtype=config.grad_accum_dtype,
     )
 
@@ -330,7 +334,8 @@ def apply_gradients(
     model = eqx.combine(_cast_like(new_params, weights), frozen)
     master = None if master is None else new_params
     # A rate of 0 leaves the bias exactly as it is.
-    model = with_updated_expert_bias(model, out, state.hparams["bias_update_rate"])
+    rate = state.hparams["bias_update_rate"]
+    model, bias_state = step_expert_bias(model, out, rate, state.bias_state)
     stats = stats_metrics(out)
     new_state = TrainState(
         model=model,
@@ -339,6 +344,7 @@ def apply_gradients(
         expert_load=state.expert_load + stats["tokens_per_expert"],
         hparams=state.hparams,
         master=master,
+        bias_state=bias_state,
         grad_accum_dtype=state.grad_accum_dtype,
     )
     metrics = {
