@@ -29,6 +29,13 @@ from dropless.balance import (
     tokens_per_expert,
     update_expert_bias,
 )
+from dropless.balance_loss import (
+    BALANCE_LOSSES,
+    AbstractBalanceLoss,
+    BatchBalanceLoss,
+    GlobalBatchBalanceLoss,
+    SequenceBalanceLoss,
+)
 from dropless.bias_update import (
     AbstractBiasUpdate,
     PIDBiasUpdate,
@@ -51,6 +58,11 @@ from dropless.swiglu import SwiGLU
 
 __all__ = [
     "BACKENDS",
+    "BALANCE_LOSSES",
+    "AbstractBalanceLoss",
+    "BatchBalanceLoss",
+    "GlobalBatchBalanceLoss",
+    "SequenceBalanceLoss",
     "AutoBackend",
     "AbstractBiasUpdate",
     "PIDBiasUpdate",

@@ -18,6 +18,7 @@ import yaml
 
 import dropless
 from dropless import cli
+from dropless.balance_loss import GlobalBatchBalanceLoss, SequenceBalanceLoss
 from dropless.bias_update import PIDBiasUpdate
 from dropless.cli.parsing import defaults
 from dropless.data import ByteTokenizer, default_corpus_dir
@@ -337,6 +338,7 @@ def test_set_chooses_the_balancing_and_routing_values():
         1.5,
     )
     assert train.global_balance_loss_coef == 0.01
+    assert train.balance_losses() == (SequenceBalanceLoss(1e-4), GlobalBatchBalanceLoss(0.01))
     with pytest.raises(ValueError, match="bias_update"):
         cli.apply_overrides(get_preset("tiny"), TrainConfig(), ["model.bias_update=pi"])
     pid = ["model.bias_update=pid", "model.bias_pid_ki=0.1", "model.bias_pid_kd=2"]

@@ -7,6 +7,9 @@ loss = cross-entropy(next token)
      + global_balance_loss_coef * sum over MoE layers of the global-batch balance loss
      + z_loss_coef * sum over MoE layers of the router z-loss
 
+The balance losses are values (`dropless.balance_loss.BALANCE_LOSSES`), each weighed by its
+`<term>_coef`, with every one's term in the metrics.
+
 "MoE layers" are the main stack's and the MTP blocks'. The routers' `expert_bias`
 (aux-loss-free balancing) is no parameter of the optimiser: it is partitioned out before the
 gradient (so it gets neither gradient nor weight decay) and moved after the optimiser step by
@@ -25,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
-from dropless import balance
+from dropless.balance_loss import BALANCE_LOSSES, AbstractBalanceLoss
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     ModelFeatures,
@@ -182,25 +185,27 @@ def loss_terms(
     else:
         terms["mtp"] = jnp.zeros((), jnp.float32)
     stats = all_moe_stats(out)
-    terms["balance_loss"] = stats.balance_loss.sum()
-    terms["seq_balance_loss"] = stats.seq_balance_loss.sum()
+    for kind in BALANCE_LOSSES:
+        if not kind.whole_batch:  # `weighted_loss` adds the others, once it has the loads
+            terms[kind.term] = kind()(stats).sum()
     terms["z_loss"] = stats.z_loss.sum()
     return terms, out
+
+
+def balance_losses(weights: dict[str, Float[Array, ""]]) -> tuple[AbstractBalanceLoss, ...]:
+    """Every balance loss, with its coefficient from `weights` (`hparams`: data; 0 is off)."""
+    return tuple(kind(coef=weights[f"{kind.term}_coef"]) for kind in BALANCE_LOSSES)
 
 
 def total_loss(
     terms: dict[str, Float[Array, ""]], weights: dict[str, Float[Array, ""]]
 ) -> Float[Array, ""]:
-    """The weighted sum of the loss terms that the optimiser minimises (`weights`: `hparams`)."""
-    return (
-        terms["ce"]
-        + weights["mtp_loss_weight"] * terms["mtp"]
-        + weights["balance_loss_coef"] * terms["balance_loss"]
-        + weights["seq_balance_loss_coef"] * terms["seq_balance_loss"]
-        # present once `weighted_loss` has the loads it needs
-        + weights["global_balance_loss_coef"] * terms.get("global_balance_loss", 0.0)
-        + weights["z_loss_coef"] * terms["z_loss"]
-    )
+    """The weighted sum of the loss terms that the optimiser minimises (`weights`: `hparams`);
+    a balance term not yet in `terms` (a whole-batch one before `weighted_loss`) adds 0."""
+    loss = terms["ce"] + weights["mtp_loss_weight"] * terms["mtp"]
+    for balance_loss in balance_losses(weights):
+        loss = loss + balance_loss.coef * terms.get(balance_loss.term, 0.0)
+    return loss + weights["z_loss_coef"] * terms["z_loss"]
 
 
 def stats_metrics(out: ModelOutput) -> dict[str, Array]:
@@ -275,15 +280,17 @@ def weighted_loss(
     """The loss the optimiser minimises, with (its terms, the MoE statistics of the main stack
     and of the MTP blocks): what `accumulated` sums over micro-batches.
 
-    The global-batch balance loss takes its load fractions from `loads` (tokens per expert of
-    the whole step's batch, every MoE layer: `batch_loads`), or without them from this batch's
-    own loads passed through `gather` (on a mesh: summed over the data shards)."""
+    The whole-batch balance losses (the global-batch one) take their load fractions from
+    `loads` (tokens per expert of the whole step's batch, every MoE layer: `batch_loads`), or
+    without them from this batch's own loads passed through `gather` (on a mesh: summed over
+    the data shards)."""
     terms, out = loss_terms(model, tokens)
     stats = all_moe_stats(out)
     if loads is None:
         loads = stats.tokens_per_expert if gather is None else gather(stats.tokens_per_expert)
-    per_layer = balance.global_balance_loss(stats.router_probability, loads)
-    terms["global_balance_loss"] = per_layer.sum()
+    for kind in BALANCE_LOSSES:
+        if kind.whole_batch:
+            terms[kind.term] = kind()(stats, loads).sum()
     return total_loss(terms, weights), (terms, (out.moe_stats, out.mtp_moe_stats))
 
 
