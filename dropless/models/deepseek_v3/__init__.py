@@ -26,6 +26,7 @@ from dropless.models.deepseek_v3.model import (
 from dropless.models.deepseek_v3.mtp import MTP, MTPModule, mtp_targets
 from dropless.models.deepseek_v3.params import ParamCount, count_params
 from dropless.models.deepseek_v3.presets import PRESETS, get_preset
+from dropless.models.deepseek_v3.routing_file import load_routing, save_routing
 
 __all__ = [
     "MTP",
@@ -44,6 +45,8 @@ __all__ = [
     "from_pretrained",
     "generate",
     "get_preset",
+    "load_routing",
+    "save_routing",
     "hf_names",
     "init_cache",
     "make_block",
