@@ -153,6 +153,10 @@ class TrainConfig:
     folder) with the same tokenizer; a different tokenizer or vocabulary is always refused."""
     log_every: int = 1
     """Write a metrics line every this many steps."""
+    dead_expert_steps: int = 100
+    """Each training record's `dead_experts` counts the experts (over every MoE layer) that no
+    token chose in the last this many steps (fewer at the start of a run, or of a resumed
+    one); the expert-load plot shows it against step."""
     plots: bool = True
     """Write PNG plots (loss, expert load) at the end."""
     tensorboard: bool = False
@@ -193,6 +197,7 @@ class TrainConfig:
             "micro_batches",
             "eval_batches",
             "keep_checkpoints",
+            "dead_expert_steps",
         )
         for name in positive:
             if getattr(self, name) < 1:
