@@ -112,9 +112,11 @@ class PIDBiasUpdate(AbstractBiasUpdate):
     overshoot. The state is `PIDState` (`init`: zeros).
     """
 
-    kp: float = 1.0
-    ki: float = 0.05
-    kd: float = 0.0
+    # static: a model holding the rule goes through jax transformations (eval_shape, scan over
+    # stacked layers), which would otherwise turn the gains into traced arrays
+    kp: float = eqx.field(default=1.0, static=True)
+    ki: float = eqx.field(default=0.05, static=True)
+    kd: float = eqx.field(default=0.0, static=True)
 
     def init(self, bias):
         # two arrays, not one twice: a train step donates each buffer once

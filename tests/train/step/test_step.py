@@ -5,6 +5,8 @@ Every step here uses the tiny preset at batch 8 x 32 tokens, so one compiled tra
 the module (tests/conftest.py drops compiled programs between modules).
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,14 @@ from dropless.bias_update import PIDBiasUpdate, ProportionalBiasUpdate, SignBias
 from dropless.data.datasets import SyntheticCorpus
 from dropless.models.deepseek_v3 import DeepSeekV3, ModelFeatures, ModelOutput, get_preset
 from dropless.train.config import TrainConfig
-from dropless.train.step.step import hparams, init_state, loss_terms, total_loss, train_step
+from dropless.train.step.step import (
+    batch_loads,
+    hparams,
+    init_state,
+    loss_terms,
+    total_loss,
+    train_step,
+)
 
 BATCH, SEQ = 8, 32
 
@@ -241,6 +250,11 @@ def test_the_pid_rules_memory_lives_in_the_train_state():
     np.testing.assert_allclose(main.integral, integral, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(main.error, last, rtol=1e-5, atol=1e-6)
     assert np.abs(integral).max() > 0.1  # the loads were uneven: the memory is not empty
+    # the rule's gains are static: the whole batch's loads (a forward under jax.eval_shape,
+    # its layers scanned) see no gain as a traced array
+    shapes = eqx.filter_eval_shape(small_model, bias_update="pid")
+    loads = jax.eval_shape(functools.partial(batch_loads, micro_batches=2), shapes, tokens())
+    assert loads.shape == (1, 16)
 
 
 def test_zero_computation_experts_train_and_their_biases_follow_their_target():
