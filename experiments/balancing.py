@@ -192,6 +192,7 @@ def plot(out: pathlib.Path, curves: dict, coselections: dict, args) -> None:
         ylabel="dead experts (all MoE layers)",
         title=f"no token chose them in the last {quarter} steps",
     )
+    axes[3].set_ylim(bottom=0, top=max(1, *(max(c["dead_experts"]) for c in curves.values())))
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{args.size} on {args.data}, {args.steps} steps, smoothed over {window}")
     fig.tight_layout()
