@@ -21,7 +21,20 @@ from dropless.balance import (
     tokens_per_expert,
     update_expert_bias,
 )
-from dropless.bias_update import AbstractBiasUpdate, ProportionalBiasUpdate, SignBiasUpdate
+from dropless.balance_loss import (
+    BALANCE_LOSSES,
+    AbstractBalanceLoss,
+    BatchBalanceLoss,
+    GlobalBatchBalanceLoss,
+    SequenceBalanceLoss,
+)
+from dropless.bias_update import (
+    AbstractBiasUpdate,
+    PIDBiasUpdate,
+    PIDState,
+    ProportionalBiasUpdate,
+    SignBiasUpdate,
+)
 from dropless.dispatch import AbstractDispatcher, AbstractExpertParallelDispatcher, Dispatched
 from dropless.experts import AbstractGroupedMatmul, GroupedExperts
 from dropless.moe import MoE, MoEStats, routing_stats
@@ -36,8 +49,15 @@ from dropless.routing import (
 from dropless.swiglu import SwiGLU
 
 __all__ = [
+    "BALANCE_LOSSES",
+    "AbstractBalanceLoss",
+    "BatchBalanceLoss",
+    "GlobalBatchBalanceLoss",
+    "SequenceBalanceLoss",
     "AutoBackend",
     "AbstractBiasUpdate",
+    "PIDBiasUpdate",
+    "PIDState",
     "ProportionalBiasUpdate",
     "SignBiasUpdate",
     "coselection",

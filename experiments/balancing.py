@@ -1,6 +1,6 @@
 """Balancing ablation: no balancing, the batch / sequence-wise / global-batch aux losses, the
-aux-loss-free bias with the sign and the proportional rule, and the bias with zero-computation
-experts, same model, data, seed and token budget.
+aux-loss-free bias with the sign and the PID rule, and the bias with zero-computation experts,
+same model, data, seed and token budget.
 
     python experiments/balancing.py [--size tiny|small] [--steps N] [--aux C] [--rate R]
         [--micro-batches M] [--zero Z] [--data stdlib|synthetic|DIR] [--only NAME ...]
@@ -10,15 +10,19 @@ library, byte-level) unless `--data` says otherwise, each step in `--micro-batch
 per-micro-batch and the global-batch losses then differ). The tiny preset routes without expert
 groups here (n_group=1), which zero-computation experts need, so that every variant routes
 alike. Reported per variant: held-out cross-entropy at the end; MaxVio (mean over MoE layers,
-last 10% of steps); dead experts (experts no held-out token chose, over all eval batches and
-MoE layers); router entropy (held-out, mean over layers, nats); computing experts per token.
-Plots: curves of train cross-entropy, MaxVio and router entropy, and one layer's expert-pair
+last 10% of steps); dead experts in training (no token chose them in the last quarter of the
+steps, all MoE layers: the records' `dead_experts`) and held out (no held-out token chose them);
+router entropy (held-out, mean over layers, nats); computing experts per token. The results
+record the whole run's wall time and the load average around it. Plots: curves of train
+cross-entropy, MaxVio, router entropy and dead experts, and one layer's expert-pair
 co-selection per variant.
 """
 
+import os
 import pathlib
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -42,6 +46,7 @@ from dropless.train import train  # noqa: E402
 from dropless.train.loop.data_source import open_data  # noqa: E402
 from dropless.train.step.step import all_moe_stats  # noqa: E402
 
+CURVES = ("ce", "max_vio", "router_entropy", "dead_experts")
 OFF = dict(
     balance_loss_coef=0.0,
     seq_balance_loss_coef=0.0,
@@ -58,7 +63,7 @@ def variants(aux: float, rate: float, zero: int) -> dict[str, tuple[dict, dict]]
         "seq_aux": ({**OFF, "seq_balance_loss_coef": aux}, {}),
         "global_aux": ({**OFF, "global_balance_loss_coef": aux}, {}),
         "bias_sign": ({**OFF, "bias_update_rate": rate}, {}),
-        "bias_prop": ({**OFF, "bias_update_rate": rate}, {"bias_update": "proportional"}),
+        "bias_pid": ({**OFF, "bias_update_rate": rate}, {"bias_update": "pid"}),
         "bias+zero": ({**OFF, "bias_update_rate": rate}, {"n_zero_experts": zero}),
     }
 
@@ -93,7 +98,8 @@ def held_out_routing(model, data, config) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    p = parser("balancing", __doc__, steps=150)
+    began, load_before = time.perf_counter(), os.getloadavg()
+    p = parser("balancing", __doc__, steps=100)
     p.add_argument("--aux", type=float, default=1e-2, help="aux loss coefficient")
     p.add_argument("--rate", type=float, default=1e-2, help="expert-bias update rate")
     p.add_argument("--micro-batches", type=int, default=2, help="slices per step")
@@ -105,7 +111,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--only", nargs="*", default=None, choices=names, help="run only these")
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
-    base_tc = train_config(args, micro_batches=args.micro_batches, eval_batches=4)
+    # the records' dead experts: none chosen in the last quarter of the run
+    run = dict(micro_batches=args.micro_batches, eval_batches=2)
+    run["dead_expert_steps"] = max(1, args.steps // 4)
+    base_tc = train_config(args, **run)
     base_mc = fit_to_data(model_config(args, n_group=1, topk_group=1), base_tc)
     data = open_data(base_tc, base_mc.vocab_size)
     rows, curves, coselections = [], {}, {}
@@ -113,19 +122,20 @@ def main(argv=None) -> list[dict]:
         if args.only and name not in args.only:
             continue
         print(f"--- {name}", flush=True)
-        tc = train_config(args, micro_batches=args.micro_batches, eval_batches=4, **train_changes)
+        tc = train_config(args, **run, **train_changes)
         res = train(base_mc.replace(**model_changes), tc, backend="jnp", out_dir=str(out / name))
         rec = res.records
         tail = rec[-max(1, len(rec) // 10) :]
         held = held_out_routing(res.state.model, data, tc)
-        curves[name] = {key: [r[key] for r in rec] for key in ("ce", "max_vio", "router_entropy")}
+        curves[name] = {key: [r[key] for r in rec] for key in CURVES}
         coselections[name] = held.pop("coselection")
         rows.append(
             dict(
                 variant=name,
                 eval_ce=float(res.final_eval["ce"]),
                 max_vio_last10pct=float(np.mean([r["max_vio"] for r in tail])),
-                dead_experts=held["dead"],
+                dead_experts_train=int(rec[-1]["dead_experts"]),
+                dead_experts_held_out=held["dead"],
                 router_entropy=held["entropy"],
                 active_experts=held["active"],
                 step_ms=1e3 * float(np.median([r["step_time"] for r in rec[1:]] or [0.0])),
@@ -145,28 +155,44 @@ def main(argv=None) -> list[dict]:
         micro_batches=args.micro_batches,
         aux=args.aux,
         rate=args.rate,
+        pid_gains=dict(kp=base_mc.bias_pid_kp, ki=base_mc.bias_pid_ki, kd=base_mc.bias_pid_kd),
+        dead_expert_steps=run["dead_expert_steps"],
+        eval_batches=run["eval_batches"],
         zero=args.zero,
         data=args.data,
         moe_layers=base_mc.n_moe_layers,
         experts=base_mc.n_routed_experts,
     )
     cosel = {name: c.tolist() for name, c in coselections.items()}
-    write_results(out, "balancing", rows, {**meta, "curves": curves, "coselection": cosel})
     plot(out, curves, coselections, args)
+    meta.update(wall_s=round(time.perf_counter() - began, 1), load_average_before=load_before)
+    meta["load_average_after"] = os.getloadavg()  # 1, 5, 15 minutes: how idle the box was
+    write_results(out, "balancing", rows, {**meta, "curves": curves, "coselection": cosel})
+    print(f"wall time {meta['wall_s'] / 60:.1f} min", flush=True)
     print_table(rows, f"balancing ({meta['machine']})")
     return rows
 
 
 def plot(out: pathlib.Path, curves: dict, coselections: dict, args) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4))
     window = max(1, args.steps // 20)
     for name, c in curves.items():
-        for ax, key in zip(axes, ("ce", "max_vio", "router_entropy"), strict=True):
-            ax.plot(*smoothed(c[key], window), label=name)
+        for ax, key in zip(axes, CURVES, strict=True):
+            if key == "dead_experts":  # a count over a window already: not smoothed
+                ax.step(range(1, len(c[key]) + 1), c[key], where="post", label=name)
+            else:
+                ax.plot(*smoothed(c[key], window), label=name)
     axes[0].set(xlabel="step", ylabel="train cross-entropy (nats)", title="loss")
     axes[1].set(xlabel="step", ylabel="MaxVio (mean over MoE layers)", title="imbalance")
     axes[1].set_yscale("log")
     axes[2].set(xlabel="step", ylabel="router entropy (nats)", title="router entropy")
+    quarter = max(1, args.steps // 4)
+    axes[3].set(
+        xlabel="step",
+        ylabel="dead experts (all MoE layers)",
+        title=f"no token chose them in the last {quarter} steps",
+    )
+    axes[3].set_ylim(bottom=0, top=max(1, *(max(c["dead_experts"]) for c in curves.values())))
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{args.size} on {args.data}, {args.steps} steps, smoothed over {window}")
     fig.tight_layout()

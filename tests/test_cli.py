@@ -19,6 +19,8 @@ import yaml
 import dropless
 import dropless.train
 from dropless import cli
+from dropless.balance_loss import GlobalBatchBalanceLoss, SequenceBalanceLoss
+from dropless.bias_update import PIDBiasUpdate
 from dropless.cli.parsing import defaults
 from dropless.data import ByteTokenizer, default_corpus_dir
 from dropless.models import PRESETS as ALL_PRESETS
@@ -338,8 +340,14 @@ def test_set_chooses_the_balancing_and_routing_values():
         1.5,
     )
     assert train.global_balance_loss_coef == 0.01
+    assert train.balance_losses() == (SequenceBalanceLoss(1e-4), GlobalBatchBalanceLoss(0.01))
     with pytest.raises(ValueError, match="bias_update"):
-        cli.apply_overrides(get_preset("tiny"), TrainConfig(), ["model.bias_update=pid"])
+        cli.apply_overrides(get_preset("tiny"), TrainConfig(), ["model.bias_update=pi"])
+    pid = ["model.bias_update=pid", "model.bias_pid_ki=0.1", "model.bias_pid_kd=2"]
+    model, _ = cli.apply_overrides(get_preset("tiny"), TrainConfig(), pid)
+    assert model.bias_update_rule() == PIDBiasUpdate(kp=1.0, ki=0.1, kd=2.0)
+    with pytest.raises(ValueError, match="bias_pid_kd"):
+        cli.apply_overrides(get_preset("tiny"), TrainConfig(), ["model.bias_pid_kd=-1"])
     with pytest.raises(ValueError, match="n_group"):
         cli.apply_overrides(get_preset("tiny"), TrainConfig(), ["model.n_zero_experts=4"])
     with pytest.raises(ValueError, match="global_balance_loss_coef"):

@@ -5,6 +5,7 @@ takes `--prompt-ids` and prints ids. Ids that the tokenizer lacks (a model vocab
 than the tokenizer's) print as nothing."""
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -14,6 +15,7 @@ import tyro
 
 from dropless.data.tokenizer import AbstractTokenizer, load_tokenizer
 from dropless.models.deepseek_v3 import DeepSeekV3, from_pretrained, generate
+from dropless.models.deepseek_v3.routing_file import save_routing
 from dropless.train.store.layout import TOKENIZER_FILE
 from dropless.train.store.run_dir import load_run
 
@@ -44,6 +46,10 @@ class GenerateCommand:
     """The run's checkpoint (default: the latest)."""
     num_samples: int = 1
     """Samples to draw."""
+    record_routing: str | None = None
+    """Also write every sample's tokens with the expert choice each MoE layer made for them
+    to this .npz file (routing replay: `dropless eval RUN_DIR --replay-routing FILE`, or
+    `load_routing` and `model(tokens[:, :-1], replay=...)` in Python)."""
 
 
 def _model(args) -> tuple[DeepSeekV3, AbstractTokenizer | None, bool]:
@@ -94,6 +100,11 @@ def run(args: GenerateCommand) -> int:
     model, tokenizer, bos = _model(args)
     prompt = _prompt(args, tokenizer, bos)
     eos = None if tokenizer is None else tokenizer.eos_id
+    record = args.record_routing is not None
+    if record and model.moe_layers is None:
+        raise ValueError("--record-routing: the model has no MoE layers, so no routing")
+    if record and args.max_new_tokens < 1:
+        raise ValueError("--record-routing needs --max-new-tokens >= 1")
     out = generate(
         model,
         np.tile(prompt, (args.num_samples, 1)),
@@ -103,7 +114,11 @@ def run(args: GenerateCommand) -> int:
         top_p=args.top_p,
         key=jax.random.key(args.seed),
         eos_id=eos,
+        return_routing=record,
     )
+    if record:
+        out, routing = out
+        save_routing(args.record_routing, np.asarray(out), routing)
     for i, row in enumerate(np.asarray(out)):
         if args.num_samples > 1:
             print(f"--- sample {i + 1} ---")
@@ -116,4 +131,7 @@ def run(args: GenerateCommand) -> int:
             shown = args.prompt if args.prompt is not None else tokenizer.decode(prompt)
             # ids past the tokenizer's (a model vocabulary padded beyond it) stand for no text
             print(shown + tokenizer.decode(new[new < tokenizer.vocab_size]))
+    if record:
+        print(f"routing of {args.num_samples} sample(s) recorded in {args.record_routing}",
+              file=sys.stderr)  # fmt: skip
     return 0

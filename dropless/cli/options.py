@@ -75,8 +75,11 @@ MODEL_HELP = {
     "moe_weights_before_down": "Routing weights scale the experts' hidden units before the "
     "down projection, not their outputs (the same function; no expert outputs kept for the "
     "backward).",
-    "bias_update": "Aux-loss-free balancing rule of the expert bias: 'sign' (DeepSeek-V3) or "
-    "'proportional'.",
+    "bias_update": "Aux-loss-free balancing rule of the expert bias: 'sign' (DeepSeek-V3), "
+    "'proportional' or 'pid'.",
+    "bias_pid_kp": "The 'pid' bias rule's proportional gain.",
+    "bias_pid_ki": "The 'pid' bias rule's integral gain.",
+    "bias_pid_kd": "The 'pid' bias rule's derivative gain.",
     "n_zero_experts": "Zero-computation experts (LongCat-Flash): more choices for the router, "
     "returning the token (or nothing) without a matmul.",
     "zero_expert_output": "What a zero-computation expert returns: 'identity' or 'zero'.",

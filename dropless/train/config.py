@@ -4,6 +4,7 @@ import dataclasses
 import math
 from typing import Literal
 
+from dropless.balance_loss import BALANCE_LOSSES, AbstractBalanceLoss
 from dropless.field_types import field_type_error
 from dropless.sharding.mesh import parse_mesh
 
@@ -92,15 +93,19 @@ class TrainConfig:
     """Weight of the multi-token-prediction loss (mean over MTP depths; DeepSeek-V3 uses 0.3,
     then 0.1). Ignored when the model has no MTP modules."""
     balance_loss_coef: float = 0.0
-    """Batch-wise (Switch-Transformer) load-balancing loss coefficient, summed over MoE layers."""
+    """Batch-wise (Switch-Transformer) load-balancing loss coefficient, summed over MoE layers,
+    per micro-batch (`dropless.balance_loss.BatchBalanceLoss`; the balance losses as values:
+    `balance_losses()`)."""
     seq_balance_loss_coef: float = 1e-4
-    """DeepSeek-V3's sequence-wise balance loss coefficient (its alpha; 1e-4 there)."""
+    """DeepSeek-V3's sequence-wise balance loss coefficient (its alpha; 1e-4 there;
+    `SequenceBalanceLoss`)."""
     global_balance_loss_coef: float = 0.0
-    """Global-batch balance loss coefficient (Qwen's): the batch-wise loss with the load
-    fractions of the whole step's batch, gathered over data shards and micro-batches, so it
-    equals the single-device loss over the whole batch. With micro-batches > 1 a non-zero
-    coefficient costs one more forward pass per step (the loads are needed before the first
-    slice's gradient); at 0 that pass is skipped and the term reads 0."""
+    """Global-batch balance loss coefficient (Qwen's; `GlobalBatchBalanceLoss`): the batch-wise
+    loss with the load fractions of the whole step's batch, gathered over data shards and
+    micro-batches, so it equals the single-device loss over the whole batch. With
+    micro-batches > 1 a non-zero coefficient costs one more forward pass per step (the loads
+    are needed before the first slice's gradient); at 0 that pass is skipped and the term
+    reads 0."""
     z_loss_coef: float = 0.0
     """Router z-loss coefficient (ST-MoE), summed over MoE layers."""
     bias_update_rate: float = 1e-3
@@ -148,10 +153,34 @@ class TrainConfig:
     folder) with the same tokenizer; a different tokenizer or vocabulary is always refused."""
     log_every: int = 1
     """Write a metrics line every this many steps."""
+    dead_expert_steps: int = 100
+    """Each training record's `dead_experts` counts the experts (over every MoE layer) that no
+    token chose in the last this many steps (fewer at the start of a run, or of a resumed
+    one); the expert-load plot shows it against step."""
     plots: bool = True
     """Write PNG plots (loss, expert load) at the end."""
     tensorboard: bool = False
     """Also write TensorBoard event files (needs `pip install tensorboardX`)."""
+
+    def balance_losses(self) -> tuple[AbstractBalanceLoss, ...]:
+        """The balance losses this run adds, as values with their coefficients (those of
+        `dropless.balance_loss.BALANCE_LOSSES` whose `<term>_coef` is not 0)."""
+        chosen = (kind(coef=getattr(self, f"{kind.term}_coef")) for kind in BALANCE_LOSSES)
+        return tuple(loss for loss in chosen if loss.coef)
+
+    def with_balance_losses(self, *losses: AbstractBalanceLoss) -> "TrainConfig":
+        """This config adding exactly `losses` (each at its `coef`; the others at 0), e.g.
+        `config.with_balance_losses(GlobalBatchBalanceLoss(1e-2))`."""
+        kinds = [type(loss) for loss in losses]
+        unknown = [k.__name__ for k in kinds if k not in BALANCE_LOSSES]
+        if unknown or len(set(kinds)) < len(kinds):
+            raise ValueError(
+                f"TrainConfig.with_balance_losses: each of {[k.__name__ for k in BALANCE_LOSSES]} "
+                f"at most once, got {[k.__name__ for k in kinds]}"
+            )
+        coefs = {f"{kind.term}_coef": 0.0 for kind in BALANCE_LOSSES}
+        coefs.update({f"{loss.term}_coef": float(loss.coef) for loss in losses})
+        return dataclasses.replace(self, **coefs)
 
     def __post_init__(self):
         wrong_type = field_type_error(self)
@@ -168,6 +197,7 @@ class TrainConfig:
             "micro_batches",
             "eval_batches",
             "keep_checkpoints",
+            "dead_expert_steps",
         )
         for name in positive:
             if getattr(self, name) < 1:

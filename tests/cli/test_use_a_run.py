@@ -14,7 +14,7 @@ import yaml
 
 from dropless import cli
 from dropless.data import ByteTokenizer
-from dropless.models.deepseek_v3 import from_pretrained, save_pretrained
+from dropless.models.deepseek_v3 import from_pretrained, load_routing, save_pretrained
 from dropless.train import load_run
 
 slow = pytest.mark.slow
@@ -139,6 +139,42 @@ def test_generate_prints_text_reproducibly_per_seed(run_dir, capsys):
     assert capsys.readouterr().out == first
     assert cli.main([*args, "--num-samples", "2", "--top-k", "5", "--top-p", "0.9"]) == 0
     assert capsys.readouterr().out.count("--- sample ") == 2
+
+
+def last_record(run_dir) -> dict:
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+@slow
+def test_routing_recorded_by_generate_and_eval_replays(run_dir, tmp_path, capsys):
+    """`generate --record-routing` and `eval --record-routing` write the routing that `eval
+    --replay-routing` scores with; with the same model, the replayed cross-entropy is the
+    model's own (the whole recorded choice is the one it makes)."""
+    sampled = tmp_path / "sampled.npz"
+    args = ["generate", str(run_dir), "--prompt", "the quick", "--max-new-tokens", "7"]
+    assert cli.main([*args, "--num-samples", "2", "--record-routing", str(sampled)]) == 0
+    assert f"routing of 2 sample(s) recorded in {sampled}" in capsys.readouterr().err
+    tokens, (main, mtp) = load_routing(sampled)
+    assert tokens.shape == (2, 16) and main.shape == (1, 2 * 15, 2) and mtp is None
+    assert cli.main(["eval", str(run_dir), "--replay-routing", str(sampled)]) == 0
+    assert "own routing" in capsys.readouterr().out
+    record = last_record(run_dir)
+    assert record["split"] == "eval_replay" and record["routing_agreement"] == 1.0
+    assert record["ce"] == pytest.approx(record["ce_own_routing"], rel=1e-5)
+
+    windows = tmp_path / "eval.npz"
+    assert cli.main(["eval", str(run_dir), "--record-routing", str(windows)]) == 0
+    assert f"recorded in {windows}" in capsys.readouterr().out
+    scored = last_record(run_dir)
+    assert cli.main(["eval", str(run_dir), "--replay-routing", str(windows)]) == 0
+    replayed = last_record(run_dir)
+    assert (replayed["tokens"], replayed["routing_agreement"]) == (scored["tokens"], 1.0)
+    assert replayed["ce"] == pytest.approx(scored["ce"], rel=1e-5)
+
+    assert cli.main(["eval", str(run_dir), "--replay-routing", str(windows), "--batches", "1"]) == 2
+    assert "--replay-routing" in one_line_error(capsys, "eval")
+    assert cli.main(["eval", str(run_dir), "--replay-routing", str(tmp_path / "none.npz")]) == 2
+    assert "not a routing file" in one_line_error(capsys, "eval")
 
 
 @slow

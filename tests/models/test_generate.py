@@ -267,3 +267,66 @@ def test_bad_lengths_are_refused(models, tokens):
     np.testing.assert_array_equal(generate(model, tokens, max_new_tokens=0), tokens)
     with pytest.raises(ValueError, match="do not fit"):
         prefill(model, init_cache(model, BATCH, 16), tokens)
+
+
+@eqx.filter_jit
+def routed(model, tokens, replay=None):
+    """Logits and every MoE layer's expert choice of a forward, replayed or not."""
+    out = model(tokens, return_routing=True, replay=replay)
+    return out.logits, out.moe_stats.expert_ids
+
+
+@pytest.mark.parametrize("name", ["tiny", pytest.param("gpt-oss", marks=pytest.mark.slow)])
+def test_generate_records_the_routing_a_forward_replays(models, tokens, name):
+    """Routing replay from sampling: `generate(return_routing=True)` records each token's
+    expert choice as decoding made it (the tokens are those generated without recording); a
+    forward over the samples with that replay gives the sampling-time logits (prefill and
+    decode), routes as recorded even after the router moved, and trains the router."""
+    model, prompt = models[name], np.asarray(tokens[:, :5])
+    sampled = dict(max_new_tokens=SEQ - 5, temperature=1.0, key=jax.random.key(3))
+    out, replay = generate(model, prompt, return_routing=True, **sampled)
+    np.testing.assert_array_equal(out, generate(model, prompt, **sampled))
+    c = model.config
+    main, mtp = replay
+    assert main.shape == (c.n_moe_layers, BATCH * (SEQ - 1), c.num_experts_per_tok)
+    assert mtp is None
+    inputs = jnp.asarray(out[:, :-1])
+    logits, own = routed(model, inputs)
+    np.testing.assert_array_equal(main, own)  # decoding chose what the full forward chooses
+    replayed, _ = routed(model, inputs, replay)
+    np.testing.assert_array_equal(replayed, logits)
+    sampling_time, _ = cached_logits(model, jnp.asarray(out), 5)
+    np.testing.assert_allclose(replayed, sampling_time[:, :-1], rtol=1e-5, atol=1e-5)
+
+    # the router moves (a training step since sampling): the replay still routes as recorded
+    where = lambda m: m.moe_layers.mlp.router.w_router  # noqa: E731
+    noise = jax.random.normal(jax.random.key(5), where(model).shape)
+    moved = eqx.tree_at(where, model, where(model) + 0.5 * noise)
+    _, moved_own = routed(moved, inputs)
+    _, moved_replayed = routed(moved, inputs, replay)
+    assert not np.array_equal(moved_own, main)
+    np.testing.assert_array_equal(moved_replayed, main)
+
+    @eqx.filter_jit
+    @eqx.filter_grad
+    def router_grad(w):
+        logits = eqx.tree_at(where, moved, w)(inputs, replay=replay).logits
+        labels = jnp.asarray(out[:, 1:, None])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels, -1))
+
+    g = router_grad(where(moved))
+    assert np.all(np.isfinite(g)) and float(jnp.abs(g).max()) > 0
+
+
+def test_recording_runs_past_every_rows_eos(models, tokens):
+    model, prompt = models["tiny"], np.tile(tokens[:1, :5], (BATCH, 1))
+    greedy = np.asarray(generate(model, prompt, max_new_tokens=SEQ - 5))
+    eos = int(greedy[0, 6])  # every row writes it by position 6: the plain loop stops there
+    out, (main, _) = generate(
+        model, prompt, max_new_tokens=SEQ - 5, eos_id=eos, return_routing=True
+    )
+    np.testing.assert_array_equal(out, generate(model, prompt, max_new_tokens=SEQ - 5, eos_id=eos))
+    _, own = routed(model, jnp.asarray(out[:, :-1]))
+    np.testing.assert_array_equal(main, own)  # every position routed, eos ones included
+    dense = models["dense"]
+    assert generate(dense, prompt, max_new_tokens=3, return_routing=True)[1] is None

@@ -18,12 +18,15 @@ from dropless.models.deepseek_v3.model import (
     ModelFeatures,
     ModelOutput,
     check_tokens,
+    expert_bias_state,
     recorded_routing,
+    step_expert_bias,
     with_updated_expert_bias,
 )
 from dropless.models.deepseek_v3.mtp import MTP, MTPModule, mtp_targets
 from dropless.models.deepseek_v3.params import ParamCount, count_params
 from dropless.models.deepseek_v3.presets import PRESETS, get_preset
+from dropless.models.deepseek_v3.routing_file import load_routing, save_routing
 
 __all__ = [
     "MTP",
@@ -42,6 +45,8 @@ __all__ = [
     "from_pretrained",
     "generate",
     "get_preset",
+    "load_routing",
+    "save_routing",
     "hf_names",
     "init_cache",
     "make_block",
@@ -54,5 +59,7 @@ __all__ = [
     "to_hf",
     "unstack",
     "recorded_routing",
+    "expert_bias_state",
+    "step_expert_bias",
     "with_updated_expert_bias",
 ]

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from dropless.bias_update import BIAS_UPDATES
+from dropless.bias_update import BIAS_UPDATES, AbstractBiasUpdate, PIDBiasUpdate
 from dropless.field_types import field_type_error, is_number
 from dropless.models.gpt_oss.config import GPT_OSS
 from dropless.models.mixtral.config import MIXTRAL
@@ -59,6 +59,9 @@ DROPLESS_FIELDS = (
     "attention_type",
     "qk_norm",
     "bias_update",
+    "bias_pid_kp",
+    "bias_pid_ki",
+    "bias_pid_kd",
     "zero_expert_output",
     "zero_expert_active",
 )
@@ -107,7 +110,8 @@ class DeepSeekV3Config:
     `moe_weights_before_down` (the routing weights scale the experts' hidden units before the
     down projection instead of their outputs: `MoE(weights_before_down=True)`) and
     `bias_update` (the aux-loss-free bias rule of "noaux_tc" routers, a name of
-    `dropless.bias_update.BIAS_UPDATES`: "sign", DeepSeek-V3's, or "proportional") and
+    `dropless.bias_update.BIAS_UPDATES`: "sign", DeepSeek-V3's, "proportional", or "pid", whose
+    gains are `bias_pid_kp`, `bias_pid_ki`, `bias_pid_kd`: `bias_update_rule()`) and
     LongCat-Flash's zero-computation experts: `n_zero_experts` more choices for the router,
     which return the token (`zero_expert_output="identity"`) or nothing ("zero") without a
     matmul, their biases steering the mean computing experts per token to
@@ -168,6 +172,9 @@ class DeepSeekV3Config:
     attention_type: str = "mla"
     qk_norm: str = "none"
     bias_update: str = "sign"
+    bias_pid_kp: float = 1.0
+    bias_pid_ki: float = 0.05
+    bias_pid_kd: float = 0.0
     n_zero_experts: int = 0
     zero_expert_output: str = "identity"
     zero_expert_active: float | None = None
@@ -253,6 +260,12 @@ class DeepSeekV3Config:
             use_expert_bias=self.topk_method == "noaux_tc",
             router_bias=self.router_bias,
         )
+
+    def bias_update_rule(self) -> AbstractBiasUpdate:
+        """The expert-bias rule `bias_update` names (the PID rule with this config's gains)."""
+        if self.bias_update == "pid":
+            return PIDBiasUpdate(kp=self.bias_pid_kp, ki=self.bias_pid_ki, kd=self.bias_pid_kd)
+        return BIAS_UPDATES[self.bias_update]
 
     def layer_windows(self) -> tuple[int, ...] | None:
         """Each layer's window under `layer_types` (a full layer's: 2**31 - 1, wider than any
@@ -463,6 +476,9 @@ def _validate_routing(c: DeepSeekV3Config) -> None:
         _fail(f"num_experts_per_tok ({k}) must be <= n_routed_experts ({e})")
     if not 0 < c.routed_scaling_factor < math.inf:
         _fail(f"routed_scaling_factor ({c.routed_scaling_factor}) must be > 0 and finite")
+    for name in ("bias_pid_kp", "bias_pid_ki", "bias_pid_kd"):
+        if not 0 <= getattr(c, name) < math.inf:
+            _fail(f"{name} ({getattr(c, name)}) must be >= 0 and finite")
     if c.n_zero_experts < 0:
         _fail(f"n_zero_experts ({c.n_zero_experts}) must be >= 0")
     if c.n_zero_experts and c.topk_method != "greedy" and c.n_group > 1:

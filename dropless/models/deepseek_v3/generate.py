@@ -6,7 +6,9 @@ grouped-query attention's keys and values).
 (`kv_cache.cached_attention`: MLA in the absorbed form) and give the logits that
 `model(tokens)` gives at the same positions. MoE layers route every token as in training
 (dropless; their statistics are dropped). Only the main head decodes: MTP modules are not
-used.
+used. `generate(..., return_routing=True)` also records the expert choice of every token it
+runs through the model, in the form `model(tokens[:, :-1], replay=...)` takes (routing replay:
+a later forward, or training step, routes as sampling did).
 
 `generate` is the whole loop, compiled once per (batch, prompt bucket, cache bucket): the
 prompt is right-padded to `length_bucket(prompt length)` and the cache holds
@@ -33,7 +35,13 @@ from dropless.models.deepseek_v3.kv_cache import (
     cached_attention,
     init_cache,
 )
-from dropless.models.deepseek_v3.model import DeepSeekV3, check_tokens, split_windows
+from dropless.models.deepseek_v3.model import (
+    DeepSeekV3,
+    RoutingReplay,
+    check_tokens,
+    recorded_routing,
+    split_windows,
+)
 from dropless.moe import MoE
 
 MIN_BUCKET = 16
@@ -44,21 +52,25 @@ def length_bucket(n: int) -> int:
     return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
 
 
-def _ffn(block, h: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
-    # As the decoder block's call, less the MoE statistics.
+def _ffn(
+    block, h: Float[Array, "batch seq dim"]
+) -> tuple[Float[Array, "batch seq dim"], Int[Array, "batch seq k"] | None]:
+    # As the decoder block's call, less the MoE statistics but for its expert choice.
     x = block.post_attention_layernorm(h)
     if not isinstance(block.mlp, MoE):
-        return block.mlp(x)
+        return block.mlp(x), None
     batch, seq, dim = x.shape
-    y, _ = block.mlp(x.reshape(batch * seq, dim), seq_len=seq)
-    return y.reshape(batch, seq, dim).astype(h.dtype)
+    y, stats = block.mlp(x.reshape(batch * seq, dim), seq_len=seq, return_routing=True)
+    ids = stats.expert_ids.reshape(batch, seq, -1)
+    return y.reshape(batch, seq, dim).astype(h.dtype), ids
 
 
 def _run_stack(stack, cache: LatentCache | HeadCache | None, h, positions, start, windows=None):
     """The stacked blocks over `h`, each writing its layer of `cache` at `start` first;
-    `windows`: each layer's attention window (`split_windows`), or None."""
+    `windows`: each layer's attention window (`split_windows`), or None. Also each MoE layer's
+    expert choice, `[layers batch seq k]` (None for dense blocks or no stack)."""
     if stack is None:
-        return h, cache
+        return h, cache, None
     arrays, static = eqx.partition(stack, eqx.is_array)
     n = jax.tree.leaves(cache)[0].shape[0]
 
@@ -70,25 +82,35 @@ def _run_stack(stack, cache: LatentCache | HeadCache | None, h, positions, start
             block.self_attn, block.input_layernorm(h), positions, cache, i, start, window
         )
         h = h + out
-        return (h + _ffn(block, h), cache), None
+        y, ids = _ffn(block, h)
+        return (h + y, cache), ids
 
     windows = None if windows is None else jnp.asarray(windows, jnp.int32)
     xs = (arrays, jnp.arange(n, dtype=jnp.int32), windows)
-    (h, cache), _ = jax.lax.scan(body, (h, cache), xs)
-    return h, cache
+    (h, cache), ids = jax.lax.scan(body, (h, cache), xs)
+    return h, cache, ids
+
+
+def _hidden_and_routing(
+    model: DeepSeekV3, cache: KVCache, tokens: Int[Array, "batch seq"], start
+) -> tuple[Float[Array, "batch seq dim"], KVCache, Int[Array, "layers batch seq k"] | None]:
+    """Final normed hidden states of `tokens` at positions start, start + 1, ..., and the MoE
+    layers' expert choices (None without MoE layers; unused, XLA drops them)."""
+    start = jnp.asarray(start, jnp.int32)
+    positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    h = jnp.take(model.embed_tokens, tokens, axis=0).astype(model.config.compute_jnp_dtype)
+    dense_windows, moe_windows = split_windows(model.config)
+    h, dense, _ = _run_stack(model.dense_layers, cache.dense, h, positions, start, dense_windows)
+    h, moe, ids = _run_stack(model.moe_layers, cache.moe, h, positions, start, moe_windows)
+    return model.norm(h), KVCache(dense, moe), ids
 
 
 def _hidden(
     model: DeepSeekV3, cache: KVCache, tokens: Int[Array, "batch seq"], start
 ) -> tuple[Float[Array, "batch seq dim"], KVCache]:
     """Final normed hidden states of `tokens` at positions start, start + 1, ..."""
-    start = jnp.asarray(start, jnp.int32)
-    positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    h = jnp.take(model.embed_tokens, tokens, axis=0).astype(model.config.compute_jnp_dtype)
-    dense_windows, moe_windows = split_windows(model.config)
-    h, dense = _run_stack(model.dense_layers, cache.dense, h, positions, start, dense_windows)
-    h, moe = _run_stack(model.moe_layers, cache.moe, h, positions, start, moe_windows)
-    return model.norm(h), KVCache(dense, moe)
+    h, cache, _ = _hidden_and_routing(model, cache, tokens, start)
+    return h, cache
 
 
 def prefill(
@@ -155,13 +177,31 @@ def sample(
 
 
 def _generate(
-    model, prompt, prompt_len, total, length, key, temperature, top_k, top_p, eos_id, fill
+    model,
+    prompt,
+    prompt_len,
+    total,
+    length,
+    key,
+    temperature,
+    top_k,
+    top_p,
+    eos_id,
+    fill,
+    record=False,
 ):
     """The jitted loop: `prompt` [batch P] right-padded, `length` (static) the cache bucket;
-    returns the [batch length] token buffer, valid up to `total`."""
+    returns the [batch length] token buffer, valid up to `total`, and with `record` (static)
+    the MoE layers' expert choices [layers batch length k], valid up to `total - 1` (the last
+    token is never run), else None. Recording runs to `total` whatever `eos_id` says, so that
+    every position has its choice."""
     batch, padded = prompt.shape
     cache = init_cache(model, batch, length)
-    h, cache = _hidden(model, cache, prompt, 0)
+    h, cache, ids = _hidden_and_routing(model, cache, prompt, 0)
+    routing = None
+    if record and ids is not None:
+        routing = jnp.zeros((*ids.shape[:2], length, ids.shape[-1]), jnp.int32)
+        routing = jax.lax.dynamic_update_slice_in_dim(routing, ids, 0, axis=2)
     last = jax.lax.dynamic_index_in_dim(h, prompt_len - 1, axis=1)  # [batch 1 dim]
 
     def pick(logits, position):  # the token at `position`
@@ -179,19 +219,22 @@ def _generate(
     tokens = tokens.at[:, prompt_len].set(first)
 
     def cond(state):
-        position, _, _, done = state
-        return (position < total - 1) & ~jnp.all(done)
+        position, _, _, done, _ = state
+        return (position < total - 1) & (record or ~jnp.all(done))
 
     def body(state):
-        position, tokens, cache, done = state
-        logits, cache = decode_step(model, cache, tokens[:, position], position)
+        position, tokens, cache, done, routing = state
+        h, cache, ids = _hidden_and_routing(model, cache, tokens[:, position, None], position)
+        logits = model.head(h)[:, 0]
         nxt = jnp.where(done, eos_id, pick(logits, position + 1))
         tokens = tokens.at[:, position + 1].set(nxt)
-        return position + 1, tokens, cache, done | (nxt == eos_id)
+        if routing is not None:
+            routing = jax.lax.dynamic_update_slice_in_dim(routing, ids, position, axis=2)
+        return position + 1, tokens, cache, done | (nxt == eos_id), routing
 
-    state = (prompt_len, tokens, cache, first == eos_id)
-    _, tokens, _, _ = jax.lax.while_loop(cond, body, state)
-    return tokens
+    state = (prompt_len, tokens, cache, first == eos_id, routing)
+    _, tokens, _, _, routing = jax.lax.while_loop(cond, body, state)
+    return tokens, routing
 
 
 _generate_jit = eqx.filter_jit(_generate)
@@ -207,13 +250,20 @@ def generate(
     top_p: float | None = None,
     key: PRNGKeyArray | None = None,
     eos_id: int | None = None,
-) -> Int[Array, "batch total"]:
+    return_routing: bool = False,
+) -> Int[Array, "batch total"] | tuple[Int[Array, "batch total"], RoutingReplay | None]:
     """`tokens` followed by `max_new_tokens` generated ones per row ([batch seq + new]).
 
     Greedy (argmax) at `temperature=0`; otherwise sampled (see `sample`) with `key`, one draw
     per position from `fold_in(key, position)`: the same key gives the same tokens. After a row
     writes `eos_id` it writes only `eos_id`; the loop stops early once every row has. Prompts
     must share one length (see the module docstring).
+
+    `return_routing`: also the expert choice each MoE layer made for every token but the last
+    as it was generated, `(main [layers batch*(total-1) k], None)`: what
+    `model(out[:, :-1], replay=...)` takes, so that a later forward (a training step on the
+    samples) routes as sampling did; None for a model without MoE layers. The loop then runs
+    to the end even after every row wrote `eos_id`.
     """
     if isinstance(tokens, (list, tuple)):
         lengths = sorted({len(row) for row in tokens})
@@ -230,7 +280,7 @@ def generate(
         raise ValueError("generate: the prompt must hold at least one token")
     if max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens ({max_new_tokens}) must be >= 0")
-    if max_new_tokens == 0:
+    if max_new_tokens == 0 and not return_routing:
         return jnp.asarray(prompt, jnp.int32)
     limit = model.config.max_position_embeddings
     if total > limit:
@@ -246,10 +296,13 @@ def generate(
         raise ValueError(f"generate: top_k ({top_k}) must be >= 1, or None")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"generate: top_p ({top_p}) must be in (0, 1], or None")
+    if max_new_tokens == 0:  # no token generated: the prompt's own routing
+        out = _routing_jit(model, jnp.asarray(prompt[:, :-1], jnp.int32)) if seq > 1 else None
+        return jnp.asarray(prompt, jnp.int32), out
     padded = np.zeros((batch, length_bucket(seq)), np.int32)
     padded[:, :seq] = prompt
     # Every setting a traced array, so that none of them is part of the compilation's key.
-    out = _generate_jit(
+    out, routing = _generate_jit(
         model,
         jnp.asarray(padded),
         jnp.int32(seq),
@@ -261,5 +314,17 @@ def generate(
         jnp.float32(1.0 if top_p is None else top_p),
         jnp.int32(-1 if eos_id is None else eos_id),
         jnp.int32(0 if eos_id is None else eos_id),
+        return_routing,
     )
-    return out[:, :total]
+    if not return_routing:
+        return out[:, :total]
+    if routing is None:  # no MoE layers
+        return out[:, :total], None
+    ids = routing[:, :, : total - 1]
+    return out[:, :total], (ids.reshape(ids.shape[0], -1, ids.shape[-1]), None)
+
+
+@eqx.filter_jit
+def _routing_jit(model: DeepSeekV3, tokens: Int[Array, "batch seq"]) -> RoutingReplay | None:
+    out = model(tokens, return_routing=True)
+    return None if model.moe_layers is None else recorded_routing(out)

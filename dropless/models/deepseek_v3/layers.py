@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from dropless.backends import Backend
-from dropless.bias_update import BIAS_UPDATES
 from dropless.models.deepseek_v3.block import DecoderBlock
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
 from dropless.moe import MoE, MoEStats
@@ -167,7 +166,7 @@ def make_block(
             n_shared_experts=c.n_shared_experts,
             dtype=dt,
             weights_before_down=c.moe_weights_before_down,
-            bias_update=BIAS_UPDATES[c.bias_update],
+            bias_update=c.bias_update_rule(),
             n_zero_experts=c.n_zero_experts,
             zero_output=c.zero_expert_output,
             active_experts=c.zero_expert_active,

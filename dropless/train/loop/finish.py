@@ -67,11 +67,21 @@ class TrainResults:
 def _plot(run: Run) -> None:
     files = run.files
     files["loss_plot"] = os.path.join(run.out_dir, LOSS_PLOT)
-    plot_loss(read_jsonl(files["metrics"]), files["loss_plot"])
+    records = read_jsonl(files["metrics"])
+    plot_loss(records, files["loss_plot"])
     if run.layer_names:
         files["load_plot"] = os.path.join(run.out_dir, LOAD_PLOT)
+        dead = [
+            (r["step"], r["dead_experts"])
+            for r in records
+            if r.get("split") == "train" and "dead_experts" in r
+        ]
         plot_expert_load(
-            np.asarray(run.state.expert_load), files["load_plot"], layer_names=run.layer_names
+            np.asarray(run.state.expert_load),
+            files["load_plot"],
+            layer_names=run.layer_names,
+            dead=dead,
+            dead_window=run.train_config.dead_expert_steps,
         )
 
 

@@ -27,9 +27,10 @@ from dropless.backends import AutoBackend, Backend
 from dropless.data.datasets import AbstractDataset
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.train.config import TrainConfig
-from dropless.train.loop import distributed, offload, setup, throughput
+from dropless.train.loop import dead_experts, distributed, offload, setup, throughput
 from dropless.train.loop.callbacks import Callback
 from dropless.train.loop.data_source import DataSource
+from dropless.train.loop.dead_experts import DeadExperts
 from dropless.train.loop.finish import TrainResults, finish
 from dropless.train.loop.guard import TrainingDiverged, check_step
 from dropless.train.loop.preempt import StopOnSigterm, TrainingPreempted
@@ -107,15 +108,16 @@ def _evaluated(run: Run, step: int, eval_records: list[dict]) -> bool:
     return any(r["step"] == step and r["split"] == "eval" for r in run.writer.kept + eval_records)
 
 
-def _save(run: Run, step: int) -> None:
-    run.checkpointer.save(step, run.state, {**run.meta, "step": step})
+def _save(run: Run, step: int, dead: DeadExperts) -> None:
+    meta = {**run.meta, "step": step, dead_experts.META_KEY: dead.saved()}
+    run.checkpointer.save(step, run.state, meta)
     for callback in run.callbacks:
         callback.on_checkpoint(step, os.path.join(run.files["checkpoints"], str(step)))
 
 
-def _train_step(run: Run, step: int, meter: Throughput) -> dict:
+def _train_step(run: Run, step: int, meter: Throughput, dead: DeadExperts) -> dict:
     """Runs step `step` (0-based) on `run.state`; returns its metrics record (tokens/s and MFU
-    over the open interval of `meter`)."""
+    over the open interval of `meter`, the dead experts of `dead`'s window)."""
     config = run.train_config
     tokens = distributed.read_batch(run.train_data, step, config, "train", run.mesh)
     setup.check_batch(tokens, run.model_config)
@@ -128,6 +130,8 @@ def _train_step(run: Run, step: int, meter: Throughput) -> dict:
         tokens = sharding.shard_batch(tokens, run.mesh)
         run.state, metrics = sharded_train_step(run.mesh, run.state, tokens, config.micro_batches)
     record = _host_metrics(metrics)  # waits for the step
+    loads = jax.device_get(metrics["tokens_per_expert"])
+    record["dead_experts"] = dead.update(step + 1, loads)
     elapsed = time.perf_counter() - began
     # before the step is logged or saved: the last checkpoint stays the last good one
     check_step(record, step + 1, config, run.model_config, run.checkpointer)
@@ -142,7 +146,9 @@ def _train_step(run: Run, step: int, meter: Throughput) -> dict:
     }
 
 
-def _after_step(run: Run, record: dict, eval_records: list[dict], meter: Throughput) -> None:
+def _after_step(
+    run: Run, record: dict, eval_records: list[dict], meter: Throughput, dead: DeadExperts
+) -> None:
     """Logs a step's record, then saves and evaluates when due."""
     config, done = run.train_config, record["step"]
     logged = done % config.log_every == 0 or done == config.steps
@@ -152,17 +158,17 @@ def _after_step(run: Run, record: dict, eval_records: list[dict], meter: Through
         callback.on_step(record)
     # saved before evaluating: an evaluation that fails loses no training
     if config.checkpoint_every and done % config.checkpoint_every == 0:
-        _save(run, done)
+        _save(run, done, dead)
     if config.eval_every and done % config.eval_every == 0:
         _run_eval(run, done, eval_records)
     if logged:
         meter.mark()  # the next interval starts after this one's saving and evaluating
 
 
-def _stop(run: Run, step: int, signal_name: str | None) -> None:
+def _stop(run: Run, step: int, signal_name: str | None, dead: DeadExperts) -> None:
     """Saves `step` (unless it is saved), waits for the files, raises TrainingPreempted."""
     if run.checkpointer.latest_step() != step:
-        _save(run, step)
+        _save(run, step, dead)
     run.checkpointer.wait()
     raise TrainingPreempted(step, signal_name or "SIGTERM")
 
@@ -185,17 +191,20 @@ def run_steps(run: Run, stop: StopOnSigterm | None = None) -> tuple[list[dict], 
                 _run_eval(run, start, eval_records)
             devices = 1 if run.mesh is None else run.mesh.size
             meter = throughput.meter(run.model_config, config, devices)
+            dead = DeadExperts(config.dead_expert_steps)
+            if start:  # the resumed checkpoint's window
+                dead.restore(run.checkpointer.read_meta(start).get(dead_experts.META_KEY))
             for step in range(start, config.steps):
-                records.append(_train_step(run, step, meter))
+                records.append(_train_step(run, step, meter, dead))
                 if step == start:
                     meter.mark()  # the first step compiles: an interval of its own
-                _after_step(run, records[-1], eval_records, meter)
+                _after_step(run, records[-1], eval_records, meter, dead)
                 if step + 1 < config.steps and stop.requested(step + 1):
-                    _stop(run, step + 1, stop.signal_name)
+                    _stop(run, step + 1, stop.signal_name, dead)
             if run.checkpointer.latest_step() != config.steps:
-                _save(run, config.steps)
+                _save(run, config.steps, dead)
             if stop.requested(config.steps):  # during the last step or its save
-                _stop(run, config.steps, stop.signal_name)
+                _stop(run, config.steps, stop.signal_name, dead)
             if not _evaluated(run, config.steps, eval_records):
                 _run_eval(run, config.steps, eval_records)
             run.checkpointer.wait()

@@ -5,8 +5,9 @@
 Each line of `metrics.jsonl` is one record; training records have `"split": "train"` and
 carry step, loss, ce, mtp, balance_loss, seq_balance_loss, global_balance_loss, z_loss,
 max_vio, dropped, router_entropy, unused_experts, active_experts (router diagnostics: see
-`dropless.train.step.step.train_step`), grad_norm, update_norm, param_norm, lr,
-max_vio_layers (one per MoE layer), step_time, tokens_per_s and mfu
+`dropless.train.step.step.train_step`), dead_experts (experts no token chose over the last
+`TrainConfig.dead_expert_steps` steps: `dropless.train.loop.dead_experts`), grad_norm,
+update_norm, param_norm, lr, max_vio_layers (one per MoE layer), step_time, tokens_per_s and mfu
 (`dropless.train.loop.throughput`; null where the device's peak is unknown); evaluation
 records have `"split": "eval"`.
 """

@@ -1,7 +1,7 @@
 """The end-of-run PNG plots of a run: its losses and MaxVio against step, and each MoE layer's
 expert load (matplotlib, imported when a plot is drawn)."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from jaxtyping import Float
@@ -38,9 +38,16 @@ def plot_loss(records: Iterable[dict], path: str) -> None:
 
 
 def plot_expert_load(
-    load: Float[np.ndarray, "layers experts"], path: str, *, layer_names: list[str] | None = None
+    load: Float[np.ndarray, "layers experts"],
+    path: str,
+    *,
+    layer_names: list[str] | None = None,
+    dead: Sequence[tuple[int, int]] = (),
+    dead_window: int | None = None,
 ) -> None:
-    """Heatmap of each MoE layer's expert load, relative to the layer's mean (1 = balanced)."""
+    """Heatmap of each MoE layer's expert load, relative to the layer's mean (1 = balanced);
+    below it, with `dead` ((step, dead experts) of the training records), the experts no token
+    chose over the last `dead_window` steps, against step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,13 +56,29 @@ def plot_expert_load(
     load = np.asarray(load, np.float64)
     relative = load / np.maximum(load.mean(-1, keepdims=True), 1e-12)
     layers, experts = relative.shape
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.25 * experts + 2), max(2.5, 0.35 * layers + 1.5)))
+    width = max(5.0, 0.25 * experts + 2)
+    height = max(2.5, 0.35 * layers + 1.5)
+    if dead:
+        fig, (ax, ax_dead) = plt.subplots(
+            2, 1, figsize=(width, height + 2.5), gridspec_kw={"height_ratios": [height, 2.5]}
+        )
+    else:
+        fig, ax = plt.subplots(figsize=(width, height))
     image = ax.imshow(relative, aspect="auto", cmap="viridis", interpolation="nearest")
     fig.colorbar(image, ax=ax, label="load / mean load")
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")
     ax.set_yticks(range(layers), layer_names if layer_names is not None else range(layers))
     ax.set_title("tokens routed per expert, summed over training")
+    if dead:
+        steps, counts = zip(*dead, strict=True)
+        ax_dead.step(steps, counts, where="post", color="tab:red", lw=1)
+        over = f" in the last {dead_window} steps" if dead_window else ""
+        ax_dead.set_ylabel(f"dead experts (of {load.size})")
+        ax_dead.set_xlabel("step")
+        ax_dead.set_title(f"experts no token chose{over}, all MoE layers")
+        ax_dead.set_ylim(bottom=0)
+        ax_dead.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -109,6 +109,25 @@ def evaluate_run(
     }
 
 
+def scored_windows(
+    run: LoadedRun,
+    *,
+    data: str | os.PathLike | None = None,
+    batches: int | Literal["all"] | None = None,
+    batch_size: int | None = None,
+) -> list[np.ndarray]:
+    """The windows `evaluate_run` scores with these arguments, batch by batch ([rows
+    seq_len + 1] each: inputs `[:, :-1]`, targets `[:, 1:]`)."""
+    config = _eval_config(run.train_config, None if batches == "all" else batches, batch_size)
+    dataset, _, _ = _eval_data(run, data)
+    parts = [(dataset, config)] if batches != "all" else _whole_split(dataset, config)
+    return [
+        setup.batch(part, i, part_config, "eval").tokens
+        for part, part_config in parts
+        for i in range(part_config.eval_batches)
+    ]
+
+
 @dataclasses.dataclass(frozen=True)
 class ConsecutiveWindows(AbstractDataset):
     """A token file's range read in order: batch `step` holds windows `first + step *
@@ -155,10 +174,10 @@ def _whole_split(
     return parts
 
 
-def append_metrics(path: str | os.PathLike, record: dict) -> dict:
-    """Appends `record` as `{"split": "eval_cli", ...}` to a metrics.jsonl in one write, so that
+def append_metrics(path: str | os.PathLike, record: dict, split: str = EVAL_CLI_SPLIT) -> dict:
+    """Appends `record` as `{"split": split, ...}` to a metrics.jsonl in one write, so that
     the lines already there cannot be lost; returns the line's record."""
-    line = {"split": EVAL_CLI_SPLIT, **record}
+    line = {"split": split, **record}
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")
     return line

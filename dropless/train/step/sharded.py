@@ -150,7 +150,9 @@ def state_shardings(state: TrainState, mesh: Mesh) -> PyTree:
     param_specs = sharding.param_specs(params, mesh)
     opt_specs = sharding.opt_state_specs(state.opt_state, params, param_specs)
     master_specs = sharding.param_specs(state.master, mesh) if state.master is not None else None
-    parts = (model_specs, opt_specs, P(), P(), {name: P() for name in state.hparams}, master_specs)
+    hparams = {name: P() for name in state.hparams}
+    bias_state = jax.tree.map(lambda _: P(), state.bias_state)
+    parts = (model_specs, opt_specs, P(), P(), hparams, master_specs, bias_state)
     leaves = [NamedSharding(mesh, spec) for part in parts for spec in jax.tree.leaves(part)]
     # unflatten, not TrainState(...): the fields hold shardings, not arrays
     return jax.tree.unflatten(jax.tree.structure(eqx.filter(state, sharding.is_array_like)), leaves)

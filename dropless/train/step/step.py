@@ -7,11 +7,14 @@ loss = cross-entropy(next token)
      + global_balance_loss_coef * sum over MoE layers of the global-batch balance loss
      + z_loss_coef * sum over MoE layers of the router z-loss
 
+The balance losses are values (`dropless.balance_loss.BALANCE_LOSSES`), each weighed by its
+`<term>_coef`, with every one's term in the metrics.
+
 "MoE layers" are the main stack's and the MTP blocks'. The routers' `expert_bias`
 (aux-loss-free balancing) is no parameter of the optimiser: it is partitioned out before the
 gradient (so it gets neither gradient nor weight decay) and moved after the optimiser step by
-its router's rule (`dropless.bias_update`, through `with_updated_expert_bias`) from the step's
-tokens-per-expert.
+its router's rule (`dropless.bias_update`, through `step_expert_bias`) from the step's
+tokens-per-expert; a rule with a memory (the PID rule) keeps it in `TrainState.bias_state`.
 
 Loss weights and the schedule live in the state as arrays (`TrainState.hparams`), like the
 optimiser's numbers: the compiled step depends only on the model and the batch shape.
@@ -25,13 +28,14 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
-from dropless import balance
+from dropless.balance_loss import BALANCE_LOSSES, AbstractBalanceLoss
 from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     ModelFeatures,
     ModelOutput,
+    expert_bias_state,
     mtp_targets,
-    with_updated_expert_bias,
+    step_expert_bias,
 )
 from dropless.moe import MoE, MoEStats
 from dropless.precision import apply_updates
@@ -69,6 +73,7 @@ class TrainState(eqx.Module):
     expert_load: Float[Array, "layers experts"]  # tokens per expert, summed over the run
     hparams: dict[str, Float[Array, ""]]  # HPARAM_FIELDS of the TrainConfig, as arrays
     master: PyTree | None = None  # float32 trainable arrays, when the model's are narrower
+    bias_state: PyTree = None  # the bias rules' memory (`expert_bias_state`; None: none)
     grad_accum_dtype: str = eqx.field(default="float32", static=True)
 
 
@@ -107,6 +112,7 @@ def init_state(model: DeepSeekV3, config: TrainConfig) -> TrainState:
         expert_load=jnp.zeros((rows, model.config.n_routed_experts), jnp.float32),
         hparams=hparams(config),
         master=master,
+        bias_state=expert_bias_state(model),
         grad_accum_dtype=config.grad_accum_dtype,
     )
 
@@ -129,6 +135,7 @@ def with_config(state: TrainState, config: TrainConfig) -> TrainState:
         expert_load=state.expert_load,
         hparams=hparams(config),
         master=state.master,
+        bias_state=state.bias_state,
         grad_accum_dtype=config.grad_accum_dtype,
     )
 
@@ -178,25 +185,27 @@ def loss_terms(
     else:
         terms["mtp"] = jnp.zeros((), jnp.float32)
     stats = all_moe_stats(out)
-    terms["balance_loss"] = stats.balance_loss.sum()
-    terms["seq_balance_loss"] = stats.seq_balance_loss.sum()
+    for kind in BALANCE_LOSSES:
+        if not kind.whole_batch:  # `weighted_loss` adds the others, once it has the loads
+            terms[kind.term] = kind()(stats).sum()
     terms["z_loss"] = stats.z_loss.sum()
     return terms, out
+
+
+def balance_losses(weights: dict[str, Float[Array, ""]]) -> tuple[AbstractBalanceLoss, ...]:
+    """Every balance loss, with its coefficient from `weights` (`hparams`: data; 0 is off)."""
+    return tuple(kind(coef=weights[f"{kind.term}_coef"]) for kind in BALANCE_LOSSES)
 
 
 def total_loss(
     terms: dict[str, Float[Array, ""]], weights: dict[str, Float[Array, ""]]
 ) -> Float[Array, ""]:
-    """The weighted sum of the loss terms that the optimiser minimises (`weights`: `hparams`)."""
-    return (
-        terms["ce"]
-        + weights["mtp_loss_weight"] * terms["mtp"]
-        + weights["balance_loss_coef"] * terms["balance_loss"]
-        + weights["seq_balance_loss_coef"] * terms["seq_balance_loss"]
-        # present once `weighted_loss` has the loads it needs
-        + weights["global_balance_loss_coef"] * terms.get("global_balance_loss", 0.0)
-        + weights["z_loss_coef"] * terms["z_loss"]
-    )
+    """The weighted sum of the loss terms that the optimiser minimises (`weights`: `hparams`);
+    a balance term not yet in `terms` (a whole-batch one before `weighted_loss`) adds 0."""
+    loss = terms["ce"] + weights["mtp_loss_weight"] * terms["mtp"]
+    for balance_loss in balance_losses(weights):
+        loss = loss + balance_loss.coef * terms.get(balance_loss.term, 0.0)
+    return loss + weights["z_loss_coef"] * terms["z_loss"]
 
 
 def stats_metrics(out: ModelOutput) -> dict[str, Array]:
@@ -271,15 +280,17 @@ def weighted_loss(
     """The loss the optimiser minimises, with (its terms, the MoE statistics of the main stack
     and of the MTP blocks): what `accumulated` sums over micro-batches.
 
-    The global-batch balance loss takes its load fractions from `loads` (tokens per expert of
-    the whole step's batch, every MoE layer: `batch_loads`), or without them from this batch's
-    own loads passed through `gather` (on a mesh: summed over the data shards)."""
+    The whole-batch balance losses (the global-batch one) take their load fractions from
+    `loads` (tokens per expert of the whole step's batch, every MoE layer: `batch_loads`), or
+    without them from this batch's own loads passed through `gather` (on a mesh: summed over
+    the data shards)."""
     terms, out = loss_terms(model, tokens)
     stats = all_moe_stats(out)
     if loads is None:
         loads = stats.tokens_per_expert if gather is None else gather(stats.tokens_per_expert)
-    per_layer = balance.global_balance_loss(stats.router_probability, loads)
-    terms["global_balance_loss"] = per_layer.sum()
+    for kind in BALANCE_LOSSES:
+        if kind.whole_batch:
+            terms[kind.term] = kind()(stats, loads).sum()
     return total_loss(terms, weights), (terms, (out.moe_stats, out.mtp_moe_stats))
 
 
@@ -330,7 +341,8 @@ def apply_gradients(
     model = eqx.combine(_cast_like(new_params, weights), frozen)
     master = None if master is None else new_params
     # A rate of 0 leaves the bias exactly as it is.
-    model = with_updated_expert_bias(model, out, state.hparams["bias_update_rate"])
+    rate = state.hparams["bias_update_rate"]
+    model, bias_state = step_expert_bias(model, out, rate, state.bias_state)
     stats = stats_metrics(out)
     new_state = TrainState(
         model=model,
@@ -339,6 +351,7 @@ def apply_gradients(
         expert_load=state.expert_load + stats["tokens_per_expert"],
         hparams=state.hparams,
         master=master,
+        bias_state=bias_state,
         grad_accum_dtype=state.grad_accum_dtype,
     )
     metrics = {

@@ -18,5 +18,7 @@ def test_plots_are_written(tmp_path):
     plots.plot_loss(records, str(tmp_path / "loss.png"))
     load = np.random.default_rng(0).uniform(50, 150, (4, 16))
     plots.plot_expert_load(load, str(tmp_path / "load.png"), layer_names=["1", "2", "3", "mtp0"])
-    for name in ("loss.png", "load.png"):
+    dead = [(s, max(0, 10 - s)) for s in range(1, 30)]
+    plots.plot_expert_load(load, str(tmp_path / "dead.png"), dead=dead, dead_window=5)
+    for name in ("loss.png", "load.png", "dead.png"):
         assert _is_png(tmp_path / name) and (tmp_path / name).stat().st_size > 10_000

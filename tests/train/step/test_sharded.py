@@ -430,3 +430,27 @@ def test_sharded_step_gathers_one_layer_at_a_time():
     assert {"f32[16,256,64]", "f32[16,64,256]"} <= set(inside), inside
     top_level = {"f32[512,256]", "f32[256,512]"}  # embed_tokens, lm_head
     assert outside and set(outside) <= top_level, outside
+
+
+@pytest.mark.slow
+def test_the_pid_rules_memory_on_a_mesh_is_the_single_device_ones():
+    """The PID bias rule's memory (`TrainState.bias_state`) is replicated on the mesh and
+    moves as on one device: two steps, the same biases and memory."""
+    config = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
+    config = config.replace(bias_update="pid", bias_pid_ki=0.5, bias_pid_kd=0.5)
+    train_config = TrainConfig(steps=2, batch_size=8, seq_len=8, warmup_steps=0)
+    mesh = sharding.make_mesh(data=2, fsdp=2, expert=2)
+    model = prepare_model(DeepSeekV3(config, key=jax.random.key(0)), mesh)
+    state = shard_state(init_state(model, train_config), mesh)
+    ref = init_state(DeepSeekV3(config, key=jax.random.key(0)), train_config)
+    for step in range(2):
+        tokens = jax.random.randint(jax.random.key(step), (8, 9), 0, config.vocab_size)
+        state, _ = sharded_train_step(mesh, state, sharding.shard_batch(tokens, mesh))
+        ref, _ = train_step(ref, tokens)
+    main, ref_main = state.bias_state[0], ref.bias_state[0]
+    assert main.integral.sharding.is_fully_replicated
+    assert float(jnp.abs(ref_main.integral).max()) > 0
+    np.testing.assert_allclose(main.integral, ref_main.integral, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(main.error, ref_main.error, rtol=RTOL, atol=ATOL)
+    got = state.model.moe_layers.mlp.router.expert_bias
+    np.testing.assert_allclose(got, ref.model.moe_layers.mlp.router.expert_bias, atol=1e-6)

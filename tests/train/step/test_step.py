@@ -5,6 +5,8 @@ Every step here uses the tiny preset at batch 8 x 32 tokens, so one compiled tra
 the module (tests/conftest.py drops compiled programs between modules).
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -12,11 +14,18 @@ import numpy as np
 import pytest
 
 from dropless.balance import update_expert_bias
-from dropless.bias_update import ProportionalBiasUpdate, SignBiasUpdate
+from dropless.bias_update import PIDBiasUpdate, ProportionalBiasUpdate, SignBiasUpdate
 from dropless.data.datasets import SyntheticCorpus
 from dropless.models.deepseek_v3 import DeepSeekV3, ModelFeatures, ModelOutput, get_preset
 from dropless.train.config import TrainConfig
-from dropless.train.step.step import hparams, init_state, loss_terms, total_loss, train_step
+from dropless.train.step.step import (
+    batch_loads,
+    hparams,
+    init_state,
+    loss_terms,
+    total_loss,
+    train_step,
+)
 
 BATCH, SEQ = 8, 32
 
@@ -217,6 +226,35 @@ def test_the_models_bias_rule_moves_the_bias():
     want = ProportionalBiasUpdate()(before, load, 0.01)
     np.testing.assert_allclose(state.model.moe_layers.mlp.router.expert_bias, want, atol=1e-7)
     assert float(jnp.abs(want).max()) > 0
+
+
+def test_the_pid_rules_memory_lives_in_the_train_state():
+    """Three steps under the PID rule: the bias and the rule's memory (`TrainState.bias_state`)
+    follow the PID recurrence, in float64 here, on the steps' loads."""
+    model = small_model(bias_update="pid", bias_pid_ki=0.5, bias_pid_kd=0.25)
+    assert model.moe_layers.mlp.router.bias_update == PIDBiasUpdate(kp=1.0, ki=0.5, kd=0.25)
+    bias = np.asarray(model.moe_layers.mlp.router.expert_bias, np.float64)
+    state = init_state(model, TrainConfig(bias_update_rate=0.01))
+    integral, last = np.zeros_like(bias), np.zeros_like(bias)
+    for step in range(3):
+        state, metrics = train_step(state, tokens(step))
+        load = np.asarray(metrics["tokens_per_expert"], np.float64)
+        target = load.mean(-1, keepdims=True)
+        e = (target - load) / target
+        integral += e
+        bias += 0.01 * (e + 0.5 * integral + 0.25 * (e - last))
+        last = e
+        np.testing.assert_allclose(state.model.moe_layers.mlp.router.expert_bias, bias, atol=1e-6)
+    main, mtp = state.bias_state
+    assert mtp is None  # no MTP block
+    np.testing.assert_allclose(main.integral, integral, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(main.error, last, rtol=1e-5, atol=1e-6)
+    assert np.abs(integral).max() > 0.1  # the loads were uneven: the memory is not empty
+    # the rule's gains are static: the whole batch's loads (a forward under jax.eval_shape,
+    # its layers scanned) see no gain as a traced array
+    shapes = eqx.filter_eval_shape(small_model, bias_update="pid")
+    loads = jax.eval_shape(functools.partial(batch_loads, micro_batches=2), shapes, tokens())
+    assert loads.shape == (1, 16)
 
 
 def test_zero_computation_experts_train_and_their_biases_follow_their_target():
