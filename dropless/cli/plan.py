@@ -8,6 +8,7 @@ import jax
 from dropless.cli.config_file import apply_overrides
 from dropless.models import get_preset
 from dropless.train.config import TrainConfig
+from dropless.train.plan.attention import traced_without_cudnn
 from dropless.train.plan.compile import (
     GPU_COMPILER_OPTIONS,
     GPUS,
@@ -118,10 +119,11 @@ def _compile(args: PlanCommand, config, p) -> int:
     if args.remat is not None:
         config = config.replace(remat=args.remat)
     if config.attention_impl == "cudnn":
-        # cuDNN's attention asks the cuDNN library for its version while tracing; the blockwise
-        # attention keeps the same residuals (the output and a float32 statistic per row)
-        print("attention 'cudnn' is compiled as 'blockwise' (the same residuals; no cuDNN here)")
-        config = config.replace(attention_impl="blockwise")
+        config = traced_without_cudnn(config)
+        print(
+            f"attention 'cudnn' is compiled as {config.attention_impl!r} (no cuDNN here; "
+            "dropless.train.plan.attention.traced_without_cudnn says what that keeps)"
+        )
     devices = gpu_devices(args.compile, p.devices)
     print(f"compiling the train step for {p.devices} x {devices[0].device_kind} ...", flush=True)
     m = compiled_memory(config, train, args.mesh, devices, GPU_COMPILER_OPTIONS)

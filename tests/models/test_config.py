@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from dropless.models import get_preset as get_any_preset
 from dropless.models.deepseek_v3 import DeepSeekV3Config, get_preset
 from dropless.models.deepseek_v3 import config as config_module
 from dropless.models.deepseek_v3.config import DROPLESS_FIELDS, REMAT_POLICIES
@@ -303,3 +304,11 @@ def test_loss_chunk_positive_or_none(value):
     assert tiny(loss_chunk=64).loss_chunk == 64 and tiny().loss_chunk is None
     with pytest.raises(ValueError, match=rf"loss_chunk \({value}\) must be >= 1, or None"):
         tiny(loss_chunk=value)
+
+
+def test_gqa_refuses_the_blockwise_attention():
+    """Only MLA has a blockwise attention; a GQA config asking for it is refused, not run as
+    the XLA one."""
+    with pytest.raises(ValueError, match=r"attention_impl 'blockwise' is MLA's"):
+        get_any_preset("qwen3-moe-tiny", attention_impl="blockwise")
+    assert get_any_preset("qwen3-moe-tiny", attention_impl="cudnn").attention_impl == "cudnn"

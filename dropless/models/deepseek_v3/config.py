@@ -447,6 +447,10 @@ def _validate_attention(c: DeepSeekV3Config) -> None:
             if getattr(c, name) != GQA_FIELDS[name]:
                 _fail(f"{name} ({getattr(c, name)!r}) needs attention_type 'gqa'")
         return
+    if c.attention_impl == "blockwise":
+        _fail(
+            "attention_impl 'blockwise' is MLA's; GQA (attention_type 'gqa') runs 'xla' or 'cudnn'"
+        )
     if c.layer_types is not None:
         if len(c.layer_types) != c.num_hidden_layers or set(c.layer_types) - set(LAYER_TYPES):
             _fail(

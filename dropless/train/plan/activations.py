@@ -43,6 +43,7 @@ from jax._src.ad_checkpoint import saved_residuals
 
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.models.deepseek_v3.layers import unstack
+from dropless.train.plan.attention import traced_without_cudnn
 from dropless.train.step.optim import trainable_filter
 from dropless.train.step.step import weighted_loss
 
@@ -142,10 +143,9 @@ def activations(
     """Residual bytes of a training step's backward for `batch` sequences of `seq` tokens on
     one device, under `config.remat`; `rows` is the expert-parallel receive buffer's rows
     (None: the `batch * seq * k` copies themselves), `ep` the expert axis (a device holds
-    1/ep of the experts). Nothing is allocated. cuDNN's attention is traced as the blockwise
-    one: both keep the output and a float32 statistic per row for the backward."""
-    if config.attention_impl == "cudnn":
-        config = config.replace(attention_impl="blockwise")
+    1/ep of the experts). Nothing is allocated. cuDNN's attention is traced as
+    `traced_without_cudnn` says."""
+    config = traced_without_cudnn(config)
     copies = batch * seq * config.num_experts_per_tok
     rows = copies if rows is None else rows
     small, large = _residuals(config, batch, seq), _residuals(config, 2 * batch, seq)

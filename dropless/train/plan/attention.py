@@ -28,3 +28,14 @@ def attention_flops_per_token(config: DeepSeekV3Config, seq: int) -> int:
     """Forward and backward attention FLOPs per token over every layer (QK^T and AV)."""
     per_key = 2 * config.num_attention_heads * (config.qk_head_dim + config.value_head_dim)
     return 3 * per_key * sum(keys_per_query(config, seq))
+
+
+def traced_without_cudnn(config: DeepSeekV3Config) -> DeepSeekV3Config:
+    """`config` with an attention that traces without a GPU in place of cuDNN's (which asks
+    the cuDNN library for its version while tracing): MLA's blockwise attention, which keeps
+    what cuDNN's keeps for the backward (the output and a float32 statistic per row); GQA has
+    no blockwise attention, so its XLA attention, which also keeps the `[b heads s s]`
+    probabilities that cuDNN's does not (the plan then counts more than the GPU keeps)."""
+    if config.attention_impl != "cudnn":
+        return config
+    return config.replace(attention_impl="blockwise" if config.attention_type == "mla" else "xla")

@@ -93,6 +93,7 @@ class Plan:
     flops_per_step: float  # the whole batch's model FLOPs
     all_to_all_bytes: int  # sent by one device per step
     device_memory: int | None
+    stack_grad_copies: int = 0  # second copies of layer-stack gradients at the backward's end
     all_gather_bytes: int = 0  # received by one device per step (FSDP)
     reduce_scatter_bytes: int = 0  # sent by one device per step (FSDP)
     all_reduce_bytes: int = 0  # sent by one device per step (replicated gradients)
@@ -112,8 +113,13 @@ class Plan:
         """The backward's peak beyond the state: at its start every saved activation and one
         layer's recomputation live; as it runs down the layers, each layer's activations make
         way for its gradients, so at its end every gradient (unsharded under step-wide FSDP)
-        and the last layer's recomputation (its forward's half) live."""
-        grads = sum(self.grads.values()) + self.fsdp_grads
+        and the last layer's recomputation (its forward's half) live. A layer stack's gradient
+        whose fsdp dimension is not the first of a layer's is there twice: the backward scan
+        writes each layer's reduce-scattered gradient with the scattered dimension outermost,
+        and XLA copies the whole stack into the parameter's layout once the scan ends (seen in
+        its buffer assignment for DeepSeek-V3 671B on 128 H200s: 3 x 6.8 GB of expert
+        gradients in both layouts)."""
+        grads = sum(self.grads.values()) + self.fsdp_grads + self.stack_grad_copies
         return max(self.activations, grads + self.recompute // 2)
 
     @property
@@ -179,6 +185,11 @@ def _spec_leaves(tree) -> list:
 def _mesh_spec(logical, shape, sizes: dict[str, int]) -> jax.sharding.PartitionSpec:
     """`sharding.to_mesh_spec` on axis sizes alone (there is no device `Mesh` to plan on)."""
     return sharding.to_mesh_spec(logical, shape, sizes)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one entry of a mesh spec."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def _local(shape, spec, sizes: dict[str, int]) -> int:
@@ -282,7 +293,7 @@ def plan(
             raise
         _fail(f"mesh {mesh!r}: {err}")
     stored, unsharded, grads = [], [], []
-    whole, per_layer, all_reduce = 0, 0, 0
+    whole, per_layer, all_reduce, stack_copies = 0, 0, 0, 0
     for shape, dtype, spec, trainable, stacked in info:
         size = jnp.dtype(dtype).itemsize
         local = _local(shape, spec, full)
@@ -293,6 +304,8 @@ def plan(
             unsharded.append((local, no_fsdp, size))
             if stacked:  # one layer's slice
                 per_layer = max(per_layer, no_fsdp * size // shape[0])
+                if full["fsdp"] > 1 and any("fsdp" in _axes(e) for e in spec[2:]):
+                    stack_copies += local * size
             else:
                 whole += no_fsdp * size
             used = {
@@ -351,6 +364,7 @@ def plan(
         other_state=other,
         fsdp_gathered=gathered,
         fsdp_grads=grads_extra,
+        stack_grad_copies=stack_copies if fsdp_gather == "layer" else 0,
         activations=act.total,
         recompute=act.recompute,
         ep_buffers=ep_buffers,
@@ -409,6 +423,7 @@ def format_plan(p: Plan) -> str:
         (f"moments ({where})", _dtypes(p.moments)),
         ("other state", _gb(p.other_state)),
         ("fsdp gathered", f"{_gb(p.fsdp_gathered)} (gradients {_gb(p.fsdp_grads)})"),
+        ("stack gradient copies", _gb(p.stack_grad_copies)),
         ("activations", f"{_gb(p.activations)} (recompute {_gb(p.recompute)})"),
         ("backward peak", f"{_gb(p.backward)} (activations, or gradients at its end)"),
         ("ep buffers", _gb(p.ep_buffers)),

@@ -4,7 +4,7 @@ masks full scores), and gpt-oss-20b's parameters, sinks included, counted by han
 
 from dropless.models import get_preset
 from dropless.models.deepseek_v3 import count_params
-from dropless.train.plan.attention import keys_per_query
+from dropless.train.plan.attention import keys_per_query, traced_without_cudnn
 from dropless.train.plan.plan import flops_per_token, plan
 
 BATCH, SEQ = 2, 512
@@ -57,3 +57,13 @@ def test_gpt_oss_20b_parameters_by_hand():
     assert plan(config, "expert=8", 8, 128).param_count == total == count_params(config).total
     without = config.replace(attention_sinks=False)
     assert plan(without, "expert=8", 8, 128).param_count == total - 24 * sinks
+
+
+def test_cudnn_is_traced_as_what_keeps_the_same_or_more():
+    """Without a GPU the plan traces MLA's cuDNN attention as the blockwise one and GQA's as
+    the XLA one; other settings pass through."""
+    mla = get_preset("tiny", attention_impl="cudnn")
+    gqa = get_preset("qwen3-moe-tiny", attention_impl="cudnn")
+    assert traced_without_cudnn(mla).attention_impl == "blockwise"
+    assert traced_without_cudnn(gqa).attention_impl == "xla"
+    assert traced_without_cudnn(get_preset("tiny")) == get_preset("tiny")
