@@ -1,15 +1,12 @@
 """The DeepSeek-V3 model: scanned == looped, causality by gradients, MTP alignment, full forward
 and gradient through the MoE layers, dtypes, remat, bad input."""
 
-import contextlib
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jaxtyping
 import numpy as np
 import pytest
-from helpers import backends
+from helpers import backends, jaxtyping_disabled
 from jaxtyping import TypeCheckError
 
 from dropless.backends import Backend, jnp_capacity_backend, ragged_backend, with_backend
@@ -26,15 +23,6 @@ from dropless.models.deepseek_v3 import (
 )
 
 BATCH, SEQ = 2, 12
-
-
-@contextlib.contextmanager
-def jaxtyping_disabled():
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", False)
 
 
 @pytest.fixture(scope="module")

@@ -214,21 +214,31 @@ def test_tiny_sharded_gradient_step_equals_unsharded(preset, unroll, changes):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.slow
-def test_sharded_train_step_equals_train_step():
-    """`sharded_train_step` (AdamW, expert-bias update, every kind of mesh axis) against
-    `train_step` on one device: the same metrics, and the arrays stay placed on the mesh."""
-    config = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
+def _two_steps_on_a_mesh_and_one_device(config):
+    """Two train steps of `config` on a data=2, fsdp=2, expert=2 mesh and on one device, from
+    the same initial state: (mesh state, one-device state, [(metrics, its metrics)] a step)."""
     train_config = TrainConfig(steps=2, batch_size=8, seq_len=8, warmup_steps=0)
     mesh = sharding.make_mesh(data=2, fsdp=2, expert=2)
     model = prepare_model(DeepSeekV3(config, key=jax.random.key(0)), mesh)
     state = shard_state(init_state(model, train_config), mesh)
     # its own arrays: both steps donate their state
     ref = init_state(DeepSeekV3(config, key=jax.random.key(0)), train_config)
+    steps = []
     for step in range(2):
         tokens = jax.random.randint(jax.random.key(step), (8, 9), 0, config.vocab_size)
         state, metrics = sharded_train_step(mesh, state, sharding.shard_batch(tokens, mesh))
         ref, ref_metrics = train_step(ref, tokens)
+        steps.append((metrics, ref_metrics))
+    return state, ref, steps
+
+
+@pytest.mark.slow
+def test_sharded_train_step_equals_train_step():
+    """`sharded_train_step` (AdamW, expert-bias update, every kind of mesh axis) against
+    `train_step` on one device: the same metrics, and the arrays stay placed on the mesh."""
+    config = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
+    state, ref, steps = _two_steps_on_a_mesh_and_one_device(config)
+    for metrics, ref_metrics in steps:
         for name in ("loss", "ce", "seq_balance_loss", "max_vio"):
             np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, atol=ATOL)
     np.testing.assert_array_equal(state.expert_load, ref.expert_load)
@@ -438,15 +448,7 @@ def test_the_pid_rules_memory_on_a_mesh_is_the_single_device_ones():
     moves as on one device: two steps, the same biases and memory."""
     config = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
     config = config.replace(bias_update="pid", bias_pid_ki=0.5, bias_pid_kd=0.5)
-    train_config = TrainConfig(steps=2, batch_size=8, seq_len=8, warmup_steps=0)
-    mesh = sharding.make_mesh(data=2, fsdp=2, expert=2)
-    model = prepare_model(DeepSeekV3(config, key=jax.random.key(0)), mesh)
-    state = shard_state(init_state(model, train_config), mesh)
-    ref = init_state(DeepSeekV3(config, key=jax.random.key(0)), train_config)
-    for step in range(2):
-        tokens = jax.random.randint(jax.random.key(step), (8, 9), 0, config.vocab_size)
-        state, _ = sharded_train_step(mesh, state, sharding.shard_batch(tokens, mesh))
-        ref, _ = train_step(ref, tokens)
+    state, ref, _ = _two_steps_on_a_mesh_and_one_device(config)
     main, ref_main = state.bias_state[0], ref.bias_state[0]
     assert main.integral.sharding.is_fully_replicated
     assert float(jnp.abs(ref_main.integral).max()) > 0
