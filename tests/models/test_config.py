@@ -8,8 +8,8 @@ import pytest
 
 from dropless.models import get_preset as get_any_preset
 from dropless.models.deepseek_v3 import DeepSeekV3Config, get_preset
-from dropless.models.deepseek_v3 import config as config_module
 from dropless.models.deepseek_v3.config import DROPLESS_FIELDS, REMAT_POLICIES
+from dropless.models.deepseek_v3.config_rules import validate
 from dropless.models.deepseek_v3.layers import REMAT
 
 POSITIVE = [
@@ -132,7 +132,7 @@ def test_field_kinds(field, value, rule):
     config = tiny()
     object.__setattr__(config, field, value)
     with pytest.raises(ValueError, match=re.escape(f"{field} ({value!r}) must be {rule}")):
-        config_module._validate(config)
+        validate(config)
 
 
 def test_routed_scaling_positive():

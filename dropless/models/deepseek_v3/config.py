@@ -2,80 +2,47 @@
 
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax.numpy as jnp
-
 from dropless.bias_update import BIAS_UPDATES, AbstractBiasUpdate, PIDBiasUpdate
-from dropless.field_types import field_type_error, is_number
-from dropless.models.gpt_oss.config import GPT_OSS
-from dropless.models.mixtral.config import MIXTRAL
-from dropless.models.olmoe.config import OLMOE
-from dropless.models.qwen3_moe.config import QWEN3_MOE
-from dropless.nn.attention import QK_NORMS
-from dropless.nn.rope import ROPE_TYPES, rope_type
+from dropless.models.deepseek_v3.config_hf import DROPLESS_FIELDS, from_hf, to_hf
+from dropless.models.deepseek_v3.config_rules import (
+    ATTENTION_IMPLS,
+    ATTENTION_TYPES,
+    DTYPES,
+    FAMILIES,
+    GQA_FIELDS,
+    LAYER_TYPES,
+    MLA_TYPES,
+    MODEL_TYPES,
+    REMAT_POLICIES,
+    SCORING_FUNCS,
+    TOPK_METHODS,
+    fail,
+    validate,
+)
 from dropless.routing import RoutingSpec
 
-TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
-SCORING_FUNCS = ("sigmoid", "softmax")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLS = ("xla", "blockwise", "cudnn")
-ATTENTION_TYPES = ("mla", "gqa")
-LAYER_TYPES = ("sliding_attention", "full_attention")
-# The fields of the grouped-query families (not in a deepseek_v3 config.json), with the values
-# MLA models have.
-GQA_FIELDS: dict[str, Any] = {
-    "num_key_value_heads": None,
-    "head_dim": None,
-    "sliding_window": None,
-    "layer_types": None,
-    "attention_sinks": False,
-    "router_bias": False,
-    "experts_bias": False,
-    "swiglu_limit": None,
-    "swiglu_alpha": 1.702,
-}
-# The other Hugging Face families a config maps to, by model type (`dropless.models.hf_family`).
-FAMILIES = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, OLMOE, GPT_OSS)}
-# The model types whose config.json is DeepSeek-V3's: Kimi K2 names its own type, its
-# architecture and every key DeepSeek-V3's.
-MLA_TYPES = ("deepseek_v3", "kimi_k2")
-MODEL_TYPES = (*MLA_TYPES, *FAMILIES)
-
-# Settings that are dropless's own (not in a Hugging Face config.json).
-DROPLESS_FIELDS = (
-    "param_dtype",
-    "compute_dtype",
-    "remat",
-    "attention_impl",
-    "unroll_layers",
-    "loss_chunk",
-    "logits_dtype",
-    "moe_weights_before_down",
-    "attention_type",
-    "qk_norm",
-    "bias_update",
-    "bias_pid_kp",
-    "bias_pid_ki",
-    "bias_pid_kd",
-    "zero_expert_output",
-    "zero_expert_active",
-)
-
-# A `model_type: deepseek_v2` config.json leaves these at DeepSeek-V2's defaults, not V3's.
-_V2_DEFAULTS: dict[str, Any] = {
-    "topk_method": "greedy",
-    "scoring_func": "softmax",
-    "norm_topk_prob": False,
-    "routed_scaling_factor": 1.0,
-    "n_group": 1,
-    "topk_group": 1,
-    "num_nextn_predict_layers": 0,
-}
+# The field values, the rules and the Hugging Face conversion live in their own modules; they
+# are importable from here, where the rest of the library names them.
+__all__ = [
+    "ATTENTION_IMPLS",
+    "ATTENTION_TYPES",
+    "DROPLESS_FIELDS",
+    "DTYPES",
+    "FAMILIES",
+    "GQA_FIELDS",
+    "LAYER_TYPES",
+    "MLA_TYPES",
+    "MODEL_TYPES",
+    "REMAT_POLICIES",
+    "SCORING_FUNCS",
+    "TOPK_METHODS",
+    "DeepSeekV3Config",
+    "repeat_layer_types",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,16 +149,16 @@ class DeepSeekV3Config:
     def __post_init__(self):
         if self.rope_scaling is not None:  # a private copy: the caller's dict may change later
             if not isinstance(self.rope_scaling, Mapping):
-                _fail(
+                fail(
                     f"rope_scaling ({self.rope_scaling!r}) must be a mapping, e.g. "
                     "{'type': 'yarn', 'factor': 40}, or None"
                 )
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
         if self.layer_types is not None:  # a tuple, whatever config.json or YAML gave: hashable
             if isinstance(self.layer_types, str) or not isinstance(self.layer_types, Sequence):
-                _fail(f"layer_types ({self.layer_types!r}) must be a list of layer types, or None")
+                fail(f"layer_types ({self.layer_types!r}) must be a list of layer types, or None")
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        _validate(self)
+        validate(self)
 
     def __hash__(self) -> int:  # rope_scaling is a dict; hash a frozen view of it
         scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
@@ -294,33 +261,7 @@ class DeepSeekV3Config:
 
         `overrides` set any field, e.g. the dropless settings, which config.json does not hold.
         """
-        model_type = hf.get("model_type", "deepseek_v3")
-        if model_type in FAMILIES:
-            values = FAMILIES[model_type].from_hf(hf)
-        else:
-            values = dict(_V2_DEFAULTS) if model_type == "deepseek_v2" else {}
-            values.update(hf, model_type=model_type if model_type in MLA_TYPES else "deepseek_v3")
-            for name in GQA_FIELDS:
-                values.pop(name, None)  # MLA's heads: not grouped-query attention's fields
-        if "rope_parameters" in values and "rope_scaling" not in values:  # transformers >= 5
-            params = dict(values["rope_parameters"])
-            values.setdefault("rope_theta", params.pop("rope_theta", 10000.0))
-            values["rope_scaling"] = params if rope_type(params) != "default" else None
-        for name in ("n_group", "topk_group"):  # V2 writes null for "no groups"
-            if name in values and values[name] is None:
-                values[name] = 1
-        unknown = sorted(set(overrides) - set(_names()))
-        if unknown:
-            _fail(f"from_hf_config: unknown field(s) {', '.join(unknown)} in the overrides")
-        values.update(overrides)
-        kwargs = {}
-        for field in dataclasses.fields(cls):
-            if field.name in values:
-                value = values[field.name]
-                if field.type is float and isinstance(value, int):
-                    value = float(value)  # JSON writes 10000.0 as 10000
-                kwargs[field.name] = value
-        return cls(**kwargs)
+        return from_hf(cls, hf, overrides)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, **overrides: Any) -> "DeepSeekV3Config":
@@ -331,17 +272,7 @@ class DeepSeekV3Config:
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face config dict of `model_type`'s family (without dropless's own
         settings)."""
-        if self.model_type not in MLA_TYPES:
-            return FAMILIES[self.model_type].to_hf(self)
-        if self.attention_type != "mla":
-            _fail(f"a {self.model_type} checkpoint has attention_type 'mla'")
-        gqa = ("model_type", *GQA_FIELDS)
-        out = {f: getattr(self, f) for f in _names() if f not in DROPLESS_FIELDS + gqa}
-        out["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
-        out["model_type"] = self.model_type
-        out["architectures"] = ["DeepseekV3ForCausalLM"]
-        out["num_key_value_heads"] = self.num_attention_heads
-        return out
+        return to_hf(self)
 
 
 def repeat_layer_types(types: Sequence[str], layers: int) -> tuple[str, ...]:
@@ -350,192 +281,3 @@ def repeat_layer_types(types: Sequence[str], layers: int) -> tuple[str, ...]:
         p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types))
     )
     return tuple(types[i % period] for i in range(layers))
-
-
-def _names() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(DeepSeekV3Config))
-
-
-def _fail(rule: str) -> None:
-    raise ValueError(f"DeepSeekV3Config: {rule}")
-
-
-def _validate(c: DeepSeekV3Config) -> None:
-    wrong_type = field_type_error(c)
-    if wrong_type:
-        _fail(wrong_type)
-    positive = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "moe_intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "n_routed_experts",
-        "num_experts_per_tok",
-        "kv_lora_rank",
-        "qk_rope_head_dim",
-        "qk_nope_head_dim",
-        "v_head_dim",
-        "n_group",
-        "topk_group",
-        "max_position_embeddings",
-    )
-    for name in positive:
-        if getattr(c, name) < 1:
-            _fail(f"{name} ({getattr(c, name)}) must be >= 1")
-    for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"):
-        if getattr(c, name) < 0:
-            _fail(f"{name} ({getattr(c, name)}) must be >= 0")
-    if c.q_lora_rank is not None and c.q_lora_rank < 1:
-        _fail(f"q_lora_rank ({c.q_lora_rank}) must be >= 1, or None for a direct q_proj")
-    if c.first_k_dense_replace > c.num_hidden_layers:
-        _fail(
-            f"first_k_dense_replace ({c.first_k_dense_replace}) must be <= num_hidden_layers "
-            f"({c.num_hidden_layers})"
-        )
-    if c.qk_rope_head_dim % 2:
-        _fail(f"qk_rope_head_dim ({c.qk_rope_head_dim}) must be even (rope rotates pairs)")
-    _validate_routing(c)
-    _validate_rope(c)
-    if not 0 < c.rms_norm_eps < math.inf:
-        _fail(f"rms_norm_eps ({c.rms_norm_eps}) must be > 0 and finite")
-    if c.hidden_act != "silu":
-        _fail(f"hidden_act ({c.hidden_act!r}) must be 'silu' (SwiGLU)")
-    _validate_attention(c)
-    if c.attention_bias and c.attention_type == "mla":
-        _fail("attention_bias (True) needs attention_type 'gqa': MLA's projections have no bias")
-    if c.loss_chunk is not None and c.loss_chunk < 1:
-        _fail(f"loss_chunk ({c.loss_chunk}) must be >= 1, or None for one pass")
-    for name, allowed in (
-        ("param_dtype", tuple(DTYPES)),
-        ("compute_dtype", tuple(DTYPES)),
-        ("logits_dtype", tuple(DTYPES)),
-        ("remat", REMAT_POLICIES),
-        ("attention_impl", ATTENTION_IMPLS),
-        ("bias_update", tuple(BIAS_UPDATES)),
-        ("zero_expert_output", ("identity", "zero")),
-    ):
-        if getattr(c, name) not in allowed:
-            _fail(f"{name} ({getattr(c, name)!r}) must be one of {allowed}")
-
-
-def _validate_attention(c: DeepSeekV3Config) -> None:
-    for name, allowed in (
-        ("attention_type", ATTENTION_TYPES),
-        ("qk_norm", QK_NORMS),
-        ("model_type", MODEL_TYPES),
-    ):
-        if getattr(c, name) not in allowed:
-            _fail(f"{name} ({getattr(c, name)!r}) must be one of {allowed}")
-    for name in ("num_key_value_heads", "head_dim", "sliding_window"):
-        if getattr(c, name) is not None and getattr(c, name) < 1:
-            _fail(f"{name} ({getattr(c, name)}) must be >= 1, or None")
-    if c.swiglu_limit is not None and not 0 < c.swiglu_limit < math.inf:
-        _fail(f"swiglu_limit ({c.swiglu_limit}) must be > 0 and finite, or None")
-    if not 0 < c.swiglu_alpha < math.inf:
-        _fail(f"swiglu_alpha ({c.swiglu_alpha}) must be > 0 and finite")
-    if c.moe_weights_before_down and (c.experts_bias or c.swiglu_limit is not None):
-        _fail("moe_weights_before_down needs experts_bias False and swiglu_limit None")
-    if c.attention_sinks and c.attention_impl != "xla":
-        _fail(f"attention_sinks need attention_impl 'xla', not {c.attention_impl!r}")
-    if c.attention_type == "mla":
-        for name, default in (("qk_norm", "none"), ("sliding_window", None)):
-            if getattr(c, name) != default:
-                _fail(f"{name} ({getattr(c, name)!r}) needs attention_type 'gqa'")
-        for name in ("layer_types", "attention_sinks"):
-            if getattr(c, name) != GQA_FIELDS[name]:
-                _fail(f"{name} ({getattr(c, name)!r}) needs attention_type 'gqa'")
-        return
-    if c.attention_impl == "blockwise":
-        _fail(
-            "attention_impl 'blockwise' is MLA's; GQA (attention_type 'gqa') runs 'xla' or 'cudnn'"
-        )
-    if c.layer_types is not None:
-        if len(c.layer_types) != c.num_hidden_layers or set(c.layer_types) - set(LAYER_TYPES):
-            _fail(
-                f"layer_types ({list(c.layer_types)}) must name one of {LAYER_TYPES} for each "
-                f"of the num_hidden_layers ({c.num_hidden_layers}) layers"
-            )
-        if "sliding_attention" in c.layer_types and c.sliding_window is None:
-            _fail("layer_types has sliding_attention layers: sliding_window must be set")
-        if c.attention_impl != "xla":
-            _fail(f"layer_types need attention_impl 'xla', not {c.attention_impl!r}")
-    if c.num_attention_heads % c.kv_heads:
-        _fail(
-            f"num_attention_heads ({c.num_attention_heads}) must be a multiple of "
-            f"num_key_value_heads ({c.kv_heads})"
-        )
-    if c.gqa_head_dim < 2 or c.gqa_head_dim % 2:
-        _fail(f"head_dim ({c.gqa_head_dim}) must be even (rope rotates pairs)")
-
-
-def _validate_routing(c: DeepSeekV3Config) -> None:
-    e, k = c.n_routed_experts, c.num_experts_per_tok
-    if c.topk_method not in TOPK_METHODS:
-        _fail(f"topk_method ({c.topk_method!r}) must be one of {TOPK_METHODS}")
-    if c.scoring_func not in SCORING_FUNCS:
-        _fail(f"scoring_func ({c.scoring_func!r}) must be one of {SCORING_FUNCS}")
-    if k > e:
-        _fail(f"num_experts_per_tok ({k}) must be <= n_routed_experts ({e})")
-    if not 0 < c.routed_scaling_factor < math.inf:
-        _fail(f"routed_scaling_factor ({c.routed_scaling_factor}) must be > 0 and finite")
-    for name in ("bias_pid_kp", "bias_pid_ki", "bias_pid_kd"):
-        if not 0 <= getattr(c, name) < math.inf:
-            _fail(f"{name} ({getattr(c, name)}) must be >= 0 and finite")
-    if c.n_zero_experts < 0:
-        _fail(f"n_zero_experts ({c.n_zero_experts}) must be >= 0")
-    if c.n_zero_experts and c.topk_method != "greedy" and c.n_group > 1:
-        _fail(
-            f"n_zero_experts ({c.n_zero_experts}) needs routing without groups: n_group "
-            f"({c.n_group}) must be 1, or topk_method 'greedy'"
-        )
-    active = c.zero_expert_active
-    if active is not None and not 0 < active <= k:
-        _fail(f"zero_expert_active ({active}) must be in (0, num_experts_per_tok={k}]")
-    if c.topk_method == "greedy":
-        return  # groups are ignored
-    if e % c.n_group:
-        _fail(f"n_routed_experts ({e}) must be divisible by n_group ({c.n_group})")
-    if c.topk_group > c.n_group:
-        _fail(f"topk_group ({c.topk_group}) must be <= n_group ({c.n_group})")
-    per_group = e // c.n_group
-    if k > c.topk_group * per_group:
-        _fail(
-            f"num_experts_per_tok ({k}) must be <= topk_group * n_routed_experts / n_group "
-            f"({c.topk_group} * {per_group}), the experts that group-limited routing can reach"
-        )
-    if c.topk_method == "noaux_tc" and c.n_group > 1 and per_group < 2:
-        _fail(
-            f"topk_method 'noaux_tc' ranks groups by their two best experts: n_routed_experts / "
-            f"n_group ({e} / {c.n_group}) must be >= 2"
-        )
-
-
-def _validate_rope(c: DeepSeekV3Config) -> None:
-    if not c.rope_theta > 1:
-        _fail(f"rope_theta ({c.rope_theta}) must be > 1")
-    s = c.rope_scaling
-    if not s:
-        return
-    kind = rope_type(s)
-    if kind not in ROPE_TYPES:
-        _fail(f"rope_scaling type ({kind!r}) must be one of {ROPE_TYPES}")
-    if kind == "default":
-        return
-    for key in ("factor", "mscale", "mscale_all_dim", "attention_factor", "beta_fast", "beta_slow"):
-        value = s.get(key)
-        if value is not None and not (is_number(value) and math.isfinite(value)):
-            _fail(f"rope_scaling[{key!r}] ({value!r}) must be a finite number")
-    original = s.get("original_max_position_embeddings")
-    if original is not None and not (is_number(original) and float(original).is_integer()):
-        _fail(f"rope_scaling['original_max_position_embeddings'] ({original!r}) must be an int")
-    if "factor" not in s or not s["factor"] >= 1:
-        _fail(f"rope_scaling['factor'] ({s.get('factor')}) must be given and >= 1")
-    if kind == "yarn":
-        original = s.get("original_max_position_embeddings", c.max_position_embeddings)
-        if not original >= 1:
-            _fail(f"rope_scaling['original_max_position_embeddings'] ({original}) must be >= 1")
-        fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
-        if not fast >= slow > 0:
-            _fail(f"rope_scaling needs beta_fast >= beta_slow > 0, got {fast} and {slow}")

@@ -6,7 +6,6 @@ files. Everything that can fail on bad settings or data fails here, before anyth
 import dataclasses
 import json
 import os
-import warnings
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -17,23 +16,23 @@ from jax.sharding import Mesh
 
 from dropless.backends import AutoBackend, Backend
 from dropless.data.datasets import AbstractDataset, Batch
-from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, check_tokens
+from dropless.models.deepseek_v3 import DeepSeekV3Config, check_tokens
 from dropless.train.backend_names import get_backend, resolve_backend_name
 from dropless.train.config import TrainConfig
 from dropless.train.loop import distributed, offload
 from dropless.train.loop.callbacks import Callback, TensorBoard
+from dropless.train.loop.checks import check_backend_fits_mesh, validate
 from dropless.train.loop.data_source import DataSource, check_vocab, open_data
 from dropless.train.loop.metrics import MetricsWriter
+from dropless.train.loop.start_state import fresh_state, open_checkpoints
 from dropless.train.step.sharded import (
-    abstract_sharded_state,
-    init_sharded_state,
     resolve_mesh,
     shard_state,
     stages,
 )
-from dropless.train.step.step import TrainState, init_state, moe_layer_names, with_config
+from dropless.train.step.step import TrainState, moe_layer_names
 from dropless.train.store.atomic import write_atomic
-from dropless.train.store.checkpoint import Checkpointer, CheckpointError, open_for_resume
+from dropless.train.store.checkpoint import Checkpointer
 from dropless.train.store.layout import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
@@ -42,7 +41,6 @@ from dropless.train.store.layout import (
     SUMMARY_FILE,
 )
 from dropless.train.store.lock import RunLock
-from dropless.train.store.resume import restore_intact
 
 
 @dataclasses.dataclass
@@ -121,97 +119,6 @@ def check_batch(tokens: np.ndarray, model_config: DeepSeekV3Config) -> None:
     check_tokens(tokens[:, -1:], model_config)
 
 
-def validate(model_config: DeepSeekV3Config, train_config: TrainConfig) -> None:
-    """Raises ValueError for settings this model or machine cannot run; warns about a warmup
-    longer than the run."""
-    if train_config.seq_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"seq_len ({train_config.seq_len}) is longer than the model supports "
-            f"(max_position_embeddings = {model_config.max_position_embeddings})"
-        )
-    depth = model_config.num_nextn_predict_layers
-    if depth and train_config.seq_len <= depth:
-        raise ValueError(
-            f"seq_len ({train_config.seq_len}) must exceed the MTP depth "
-            f"(num_nextn_predict_layers = {depth})"
-        )
-    if train_config.warmup_steps > train_config.steps:
-        warnings.warn(
-            f"TrainConfig.warmup_steps ({train_config.warmup_steps}) > steps "
-            f"({train_config.steps}): the learning rate never reaches lr ({train_config.lr:g})",
-            stacklevel=4,
-        )
-    if train_config.weight_dtype != "float32" and model_config.param_dtype != "float32":
-        raise ValueError(
-            f"TrainConfig.weight_dtype = {train_config.weight_dtype!r} keeps float32 master "
-            f"weights beside the model's, so the model's param_dtype must be 'float32' (got "
-            f"{model_config.param_dtype!r})"
-        )
-    platform = jax.devices()[0].platform
-    if model_config.attention_impl == "cudnn" and platform != "gpu":
-        raise ValueError(
-            "DeepSeekV3Config.attention_impl = 'cudnn' needs an NVIDIA GPU (cuDNN's fused "
-            f"attention); JAX runs on {platform} here: use 'xla'"
-        )
-
-
-def _check_backend_fits_mesh(name: str, backend: Backend, mesh: Mesh | None) -> None:
-    """An expert-parallel backend runs only inside a mesh: refuse it without one, before
-    anything is written."""
-    if backend.expert_parallel and mesh is None:
-        raise ValueError(
-            f"backend {name!r} is expert-parallel and needs a device mesh: give "
-            "TrainConfig.mesh (--mesh expert=N, N dividing the device count; on a CPU, "
-            "XLA_FLAGS=--xla_force_host_platform_device_count=N emulates N devices), or a "
-            "single-device backend such as 'auto'"
-        )
-
-
-def _open_checkpoints(
-    directory: str, fresh: TrainState, train_config: TrainConfig, data: dict
-) -> tuple[TrainState, Checkpointer]:
-    """The state to start from (restored when resuming) and the checkpointer to save with."""
-    keep = train_config.keep_checkpoints
-    if not train_config.resume:
-        checkpointer = Checkpointer(directory, keep=keep)
-        existing = checkpointer.latest_step()
-        if existing is not None:
-            checkpointer.close()
-            raise CheckpointError(
-                f"{directory} already holds checkpoints (latest: step {existing}); resume from "
-                "them (--resume) or choose another output directory"
-            )
-        return fresh, checkpointer
-    checkpointer = open_for_resume(directory, keep=keep)
-    try:
-        state = with_config(restore_intact(checkpointer, fresh, train_config, data), train_config)
-        if int(state.step) > train_config.steps:
-            raise ValueError(
-                f"the checkpoint is at step {int(state.step)}, past the requested steps "
-                f"({train_config.steps}); ask for more steps to continue"
-            )
-    except BaseException:
-        checkpointer.close()
-        raise
-    return state, checkpointer
-
-
-def _fresh_state(
-    model_config: DeepSeekV3Config, train_config: TrainConfig, backend: Backend, mesh: Mesh | None
-) -> TrainState:
-    """The state before step 0, or (resuming on a mesh) its abstract form, sharded: what a
-    restore reads each process's shards into."""
-
-    def make_model():
-        return DeepSeekV3(model_config, backend=backend, key=jax.random.key(train_config.seed))
-
-    if mesh is None:
-        return init_state(make_model(), train_config)
-    if train_config.resume:
-        return abstract_sharded_state(make_model, train_config, mesh)
-    return init_sharded_state(make_model, train_config, mesh)
-
-
 def _output_files(out_dir: str) -> dict[str, str]:
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -280,7 +187,7 @@ def start(
     name = "auto" if isinstance(backend, AutoBackend) else backend
     name = name if isinstance(name, str) else CUSTOM_BACKEND
     mesh = resolve_mesh(train_config.mesh, model_config, train_config)
-    _check_backend_fits_mesh(name, moe_backend, mesh)
+    check_backend_fits_mesh(name, moe_backend, mesh)
     if data is None:
         data = open_data(train_config, model_config.vocab_size)
     check_vocab(model_config, data)
@@ -322,8 +229,8 @@ def _open(
     """The rest of `start`, once the run directory is locked: the state, config.yaml, the
     metrics file, the callbacks' `on_start`."""
     out_dir = os.path.dirname(files["metrics"])
-    fresh = _fresh_state(model_config, train_config, backend, mesh)
-    state, checkpointer = _open_checkpoints(files["checkpoints"], fresh, train_config, data.record)
+    fresh = fresh_state(model_config, train_config, backend, mesh)
+    state, checkpointer = open_checkpoints(files["checkpoints"], fresh, train_config, data.record)
     if mesh is not None:
         state = shard_state(state, mesh)  # the resumed config's numbers, replicated
 
