@@ -145,6 +145,7 @@ def main(argv=None) -> list[dict]:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
     meta = dict(
+        benchmark="experiments/balancing.py",
         machine=machine(),
         command="python " + " ".join(["experiments/balancing.py", *(argv or sys.argv[1:])]),
         commit=commit,
