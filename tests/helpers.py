@@ -1,5 +1,6 @@
 """What the property tests share (as Lineax's tests/helpers.py does): the one list of strategy
-values they run over, and the test doubles and switches they need. Imported as `helpers`
+values they run over, the test doubles and switches they need, and the comparisons with a
+reference that the Hugging Face tests share. Imported as `helpers`
 (tests/ is on the path through tests/conftest.py)."""
 
 import contextlib
@@ -8,8 +9,11 @@ import warnings
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import jaxtyping
+import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from dropless.backends import (
     Backend,
@@ -120,3 +124,24 @@ def jaxtyping_disabled():
         yield
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)
+
+
+def rel_err(ours, ref) -> float:
+    """The largest absolute difference over the reference's largest magnitude, in float64."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+def read_safetensors(path) -> dict[str, np.ndarray]:
+    """Every tensor of the `*.safetensors` files in `path`, read by safetensors itself."""
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def next_token_loss(model, tokens):
+    """The mean next-token cross-entropy of the model's main head, in float32."""
+    logits = model(tokens).logits[:, :-1]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))

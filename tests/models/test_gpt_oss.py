@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import backends
-from safetensors.numpy import load_file
+from helpers import backends, read_safetensors
 from test_hf_family import assert_matches_reference  # the families' parity check
 
 from dropless import with_backend
@@ -69,24 +68,6 @@ CASES = {
 }
 
 
-def rel_err(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
-
-
-def read_all(path) -> dict[str, np.ndarray]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def loss_fn(model, tokens):
-    logits = model(tokens).logits[:, :-1]
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
-
-
 class Reference:
     """A random transformers gpt-oss saved to `path`, with its logits, loss and gradients."""
 
@@ -137,7 +118,7 @@ def test_export_round_trip_is_exact(parity, tmp_path):
     bit, the same config, and transformers reads the export to the same logits."""
     ref, model = parity
     save_pretrained(model, model.config, tmp_path)
-    source, exported = read_all(ref.path), read_all(tmp_path)
+    source, exported = read_safetensors(ref.path), read_safetensors(tmp_path)
     assert sorted(exported) == sorted(source)
     for name, a in source.items():
         np.testing.assert_array_equal(exported[name], a, err_msg=name)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import rel_err
 from safetensors.numpy import save_file
 
 from dropless.models.deepseek_v3 import (
@@ -152,11 +153,6 @@ CASES = {
         fused=True,
     ),
 }
-
-
-def rel_err(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
 def read_all(path) -> dict[str, np.ndarray]:

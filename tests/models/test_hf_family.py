@@ -8,11 +8,10 @@ import json
 import math
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from helpers import next_token_loss, read_safetensors, rel_err
 
 from dropless.models.deepseek_v3 import DeepSeekV3Config, to_hf
 from dropless.models.deepseek_v3.config import FAMILIES
@@ -98,24 +97,6 @@ CASES = {
 }
 
 
-def rel_err(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
-
-
-def read_all(path) -> dict[str, np.ndarray]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def loss_fn(model, tokens):
-    logits = model(tokens).logits[:, :-1]
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
-
-
 def per_expert(name: str, grad: np.ndarray, model_type: str) -> dict[str, np.ndarray]:
     """A fused expert tensor's gradient as the per-expert tensors `to_hf` names."""
     layer = name.rsplit(".experts.", 1)[0]
@@ -189,7 +170,7 @@ def assert_matches_reference(ref, model):
     tokens = jnp.asarray(ref.tokens.numpy())
     logits = eqx.filter_jit(lambda m, t: m(t).logits)(model, tokens)
     assert rel_err(logits, ref.logits) <= RTOL
-    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, tokens)
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(next_token_loss))(model, tokens)
     assert abs(float(loss) - ref.loss) <= 1e-5 * ref.loss
     ours = to_hf(grads)
     assert sorted(ours) == sorted(ref.grads)
@@ -206,7 +187,7 @@ def test_export_round_trip_is_exact(parity, tmp_path):
     bit, the same config, and transformers reads the export to the same logits."""
     ref, model = parity
     save_pretrained(model, model.config, tmp_path, fused_experts=ref.case.fused)
-    source, exported = read_all(ref.path), read_all(tmp_path)
+    source, exported = read_safetensors(ref.path), read_safetensors(tmp_path)
     assert sorted(exported) == sorted(source)
     for name, a in source.items():
         np.testing.assert_array_equal(exported[name], a, err_msg=name)

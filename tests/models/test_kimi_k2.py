@@ -9,7 +9,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_hf import RTOL, _randomise, read_all, rel_err
+from helpers import rel_err
+from test_hf import RTOL, _randomise, read_all
 
 from dropless.models.deepseek_v3 import DeepSeekV3Config, get_preset
 from dropless.models.deepseek_v3.hf import from_pretrained, save_pretrained
