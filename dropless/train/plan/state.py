@@ -43,7 +43,7 @@ def _local(shape, spec, sizes: dict[str, int]) -> int:
     """Elements of one device's shard of an array of `shape` with mesh spec `spec`."""
     n = math.prod(shape)
     for entry in spec:
-        for axis in (entry,) if isinstance(entry, str) else tuple(entry or ()):
+        for axis in _axes(entry):
             n //= sizes[axis]
     return n
 
@@ -108,9 +108,7 @@ def param_terms(info: list, full: dict[str, int]) -> ParamTerms:
                     stack_copies += local * size
             else:
                 whole += no_fsdp * size
-            used = {
-                a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())
-            }
+            used = {a for entry in spec for a in _axes(entry)}
             replicas = math.prod(n for a, n in full.items() if a not in used)
             all_reduce += 2 * (replicas - 1) * local * size // replicas
     return ParamTerms(stored, grads, unsharded, whole, per_layer, all_reduce, stack_copies)
