@@ -157,7 +157,7 @@ def axis_size(axis_name: str) -> int:
             f"AllToAllDispatcher(axis_name={axis_name!r}) must run inside jax.shard_map over a "
             f"mesh with a {axis_name!r} axis (the expert weights then hold the local experts); "
             "wrap the layer with dropless.sharding.shard_moe, or the loss with "
-            "dropless.train.step.sharded.sharded_value_and_grad"
+            "dropless.train.step.sharded_grad.sharded_value_and_grad"
         ) from None
 
 

@@ -13,8 +13,8 @@ from dropless.models.deepseek_v3 import DeepSeekV3Config
 from dropless.train.config import TrainConfig
 
 # `data` records what a run read (`DataSource.record`) and `stages` the MoE strategies that ran
-# (`dropless.train.step.sharded.stages`): written into config.yaml, not read back (`train.data` and
-# `backend` say what to use).
+# (`dropless.train.step.sharded_state.stages`): written into config.yaml, not read back
+# (`train.data` and `backend` say what to use).
 SECTIONS = ("preset", "backend", "model", "train", "data", "stages")
 
 

@@ -25,11 +25,7 @@ from dropless.train.loop.checks import check_backend_fits_mesh, validate
 from dropless.train.loop.data_source import DataSource, check_vocab, open_data
 from dropless.train.loop.metrics import MetricsWriter
 from dropless.train.loop.start_state import fresh_state, open_checkpoints
-from dropless.train.step.sharded import (
-    resolve_mesh,
-    shard_state,
-    stages,
-)
+from dropless.train.step.sharded_state import resolve_mesh, shard_state, stages
 from dropless.train.step.step import TrainState, moe_layer_names
 from dropless.train.store.atomic import write_atomic
 from dropless.train.store.checkpoint import Checkpointer
@@ -84,7 +80,7 @@ def config_dict(
     `resume`, `resume_step` and `allow_data_change` are left out (false, None, false):
     rerunning a config starts a fresh run. `data`: the record of the data read
     (`DataSource.record`: its identity, checked when the run continues); `stages`: the MoE
-    strategy that runs at each stage (`sharded.stages`), written for the reader only."""
+    strategy that runs at each stage (`sharded_state.stages`), written for the reader only."""
     out = {
         "backend": backend,
         "model": dataclasses.asdict(model_config),

@@ -7,7 +7,7 @@ from jax.sharding import Mesh
 from dropless.backends import Backend
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.train.config import TrainConfig
-from dropless.train.step.sharded import abstract_sharded_state, init_sharded_state
+from dropless.train.step.sharded_state import abstract_sharded_state, init_sharded_state
 from dropless.train.step.step import TrainState, init_state, with_config
 from dropless.train.store.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.store.resume import restore_intact

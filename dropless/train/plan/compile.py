@@ -1,7 +1,7 @@
 """XLA's own per-device memory analysis of the real train step: `dropless plan --compile`.
 
 `compiled_memory` lowers and compiles the step that `dropless train` runs (the model prepared
-for the mesh, the state sharded as `sharded.state_shardings` places it, donated) from an
+for the mesh, the state sharded as `sharded_state.state_shardings` places it, donated) from an
 abstract state, so nothing is allocated, and returns what XLA's buffer assignment needs per
 device. The devices can be those at hand (the tests' emulated CPU devices) or `gpu_devices`:
 NVIDIA GPUs described by XLA's target spec, compiled for on a machine with none. That needs
@@ -27,7 +27,8 @@ from jax.sharding import NamedSharding
 from dropless import sharding
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.train.config import TrainConfig
-from dropless.train.step.sharded import prepare_model, sharded_train_step, state_shardings
+from dropless.train.step.sharded import sharded_train_step
+from dropless.train.step.sharded_state import prepare_model, state_shardings
 from dropless.train.step.step import init_state, train_step
 
 # name -> XLA's target description, beside this file: the H100's from XLA's sources, the

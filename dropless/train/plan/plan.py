@@ -10,7 +10,7 @@ Parameters, gradients and AdamW's moments come from `jax.eval_shape` of the real
 optimiser state, each array divided over the mesh as `dropless.sharding` places it (a dimension
 its mesh axes do not divide stays whole). Activations come from `plan_activations` (what the
 backward keeps under the remat policy). FSDP: the sharded step
-(`dropless.train.step.sharded.sharded_value_and_grad`) gathers each layer's fsdp-sharded
+(`dropless.train.step.sharded_grad.sharded_value_and_grad`) gathers each layer's fsdp-sharded
 weights inside the layer scan and reduce-scatters their gradients in the backward scan
 (`fsdp_gather="layer"`: the arrays outside the layers whole, and two layers' weights and
 gradients in flight); `fsdp_gather="step"` prices a step that would gather the whole local model

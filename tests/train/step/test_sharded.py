@@ -23,13 +23,10 @@ from dropless.moe import MoE
 from dropless.precision import apply_updates
 from dropless.routing import RoutingSpec
 from dropless.train.config import TrainConfig
-from dropless.train.step import sharded
-from dropless.train.step.sharded import (
-    prepare_model,
-    shard_state,
-    sharded_train_step,
-    sharded_value_and_grad,
-)
+from dropless.train.step import sharded_state
+from dropless.train.step.sharded import sharded_train_step
+from dropless.train.step.sharded_grad import sharded_value_and_grad
+from dropless.train.step.sharded_state import prepare_model, shard_state
 from dropless.train.step.step import init_state, train_step
 
 pytestmark = pytest.mark.mesh8  # meshes over the 8 devices (tests/conftest.py)
@@ -261,7 +258,7 @@ def test_prepare_model_keeps_an_expert_parallel_backend_and_replaces_others():
     capacity = DeepSeekV3(config, backend=jnp_capacity_backend(), key=jax.random.key(0))
     plain = prepare_model(capacity, mesh)
     assert dispatcher(plain) == ep_backend().dispatcher
-    assert sharded.stages(plain) == {
+    assert sharded_state.stages(plain) == {
         "dispatcher": "AllToAllDispatcher",
         "gmm": "CapacityGroupedMatmul",  # the user's, not the "ep" bundle's ChunkedGroupedMatmul
         "topk": "JnpTopK",
@@ -335,9 +332,9 @@ def test_fresh_state_is_made_sharded():
     def make():
         return DeepSeekV3(config, key=jax.random.key(0))
 
-    state = sharded.init_sharded_state(make, train_config, mesh)
+    state = sharded_state.init_sharded_state(make, train_config, mesh)
     arrays = eqx.filter(state, eqx.is_array)
-    wanted = sharded.state_shardings(arrays, mesh)
+    wanted = sharded_state.state_shardings(arrays, mesh)
     for leaf, sharding_ in zip(jax.tree.leaves(arrays), jax.tree.leaves(wanted), strict=True):
         assert leaf.sharding == sharding_
     assert state.model.embed_tokens.dtype == jnp.bfloat16
@@ -347,7 +344,7 @@ def test_fresh_state_is_made_sharded():
     assert len(moments) == 2  # the embedding's two Adam moments
     assert all(m.sharding.spec == P(("fsdp", "expert"), None) for m in moments)
 
-    abstract = sharded.abstract_sharded_state(make, train_config, mesh)
+    abstract = sharded_state.abstract_sharded_state(make, train_config, mesh)
     placed, _ = eqx.partition(abstract, sharding.is_array_like)
 
     def build():
@@ -430,7 +427,7 @@ def test_sharded_step_gathers_one_layer_at_a_time():
     )
     mesh = sharding.make_mesh(fsdp=8)
     train_config = TrainConfig(batch_size=8, seq_len=8)
-    state = sharded.init_sharded_state(
+    state = sharded_state.init_sharded_state(
         lambda: DeepSeekV3(config, key=jax.random.key(0)), train_config, mesh
     )
     tokens = sharding.shard_batch(jnp.zeros((8, 9), jnp.int32), mesh)
