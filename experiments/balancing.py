@@ -44,7 +44,7 @@ from _common import (  # noqa: E402
 from dropless import balance  # noqa: E402
 from dropless.train import train  # noqa: E402
 from dropless.train.loop.data_source import open_data  # noqa: E402
-from dropless.train.step.step import all_moe_stats  # noqa: E402
+from dropless.train.step.loss import all_moe_stats  # noqa: E402
 
 CURVES = ("ce", "max_vio", "router_entropy", "dead_experts")
 OFF = dict(

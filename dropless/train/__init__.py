@@ -29,6 +29,7 @@ from dropless.train.loop.metrics import MetricsWriter, read_jsonl
 from dropless.train.loop.run_eval import evaluate_run
 from dropless.train.loop.setup import config_dict, make_datasets
 from dropless.train.step.cross_entropy import head_cross_entropy  # not the module's namesake
+from dropless.train.step.loss import loss_terms, total_loss
 from dropless.train.step.optim import (
     expert_bias_filter,
     learning_rate,
@@ -37,14 +38,7 @@ from dropless.train.step.optim import (
     warmup_cosine,
     weight_decay_mask,
 )
-from dropless.train.step.step import (
-    TrainState,
-    eval_step,
-    init_state,
-    loss_terms,
-    total_loss,
-    train_step,
-)
+from dropless.train.step.step import TrainState, eval_step, init_state, train_step
 from dropless.train.store.checkpoint import Checkpointer, CheckpointError, open_for_resume
 from dropless.train.store.compile_cache import enable_compile_cache
 from dropless.train.store.run_dir import LoadedRun, load_run

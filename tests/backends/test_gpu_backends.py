@@ -453,7 +453,8 @@ def _proxy(layers=3):
 
 def _model_gradients(model, tokens):
     from dropless.train import TrainConfig
-    from dropless.train.step.step import hparams, loss_terms, total_loss
+    from dropless.train.step.loss import loss_terms, total_loss
+    from dropless.train.step.step import hparams
 
     weights = hparams(TrainConfig())
 

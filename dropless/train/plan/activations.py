@@ -44,8 +44,8 @@ from jax._src.ad_checkpoint import saved_residuals
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from dropless.models.deepseek_v3.layers import unstack
 from dropless.train.plan.attention import traced_without_cudnn
+from dropless.train.step.loss import weighted_loss
 from dropless.train.step.optim import trainable_filter
-from dropless.train.step.step import weighted_loss
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,15 +27,10 @@ from dropless.models.deepseek_v3.layers import gathering_layers
 from dropless.moe import MoEStats, with_loads
 from dropless.train.step import optim
 from dropless.train.step.accumulate import accumulated
+from dropless.train.step.loss import loads_only, stats_metrics, weighted_loss
 from dropless.train.step.sharded_grad import layer_gathering, sharded_value_and_grad
 from dropless.train.step.sharded_state import state_shardings
-from dropless.train.step.step import (
-    TrainState,
-    apply_gradients,
-    loads_only,
-    stats_metrics,
-    weighted_loss,
-)
+from dropless.train.step.step import TrainState, apply_gradients
 
 
 def _constrain(state: TrainState, mesh: Mesh) -> TrainState:

@@ -14,14 +14,8 @@ from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
 from dropless.train.config import TrainConfig
 from dropless.train.step import optim
 from dropless.train.step.accumulate import accumulated, micro_batch_slices
-from dropless.train.step.step import (
-    eval_step,
-    hparams,
-    init_state,
-    loss_terms,
-    total_loss,
-    train_step,
-)
+from dropless.train.step.loss import loss_terms, total_loss
+from dropless.train.step.step import eval_step, hparams, init_state, train_step
 
 MODEL = get_preset("tiny", num_hidden_layers=2)  # a dense layer, an MoE layer, an MTP block
 

@@ -18,14 +18,8 @@ from dropless.bias_update import PIDBiasUpdate, ProportionalBiasUpdate, SignBias
 from dropless.data.datasets import SyntheticCorpus
 from dropless.models.deepseek_v3 import DeepSeekV3, ModelFeatures, ModelOutput, get_preset
 from dropless.train.config import TrainConfig
-from dropless.train.step.step import (
-    batch_loads,
-    hparams,
-    init_state,
-    loss_terms,
-    total_loss,
-    train_step,
-)
+from dropless.train.step.loss import batch_loads, loss_terms, total_loss
+from dropless.train.step.step import hparams, init_state, train_step
 
 BATCH, SEQ = 8, 32
 
