@@ -3,6 +3,11 @@ decoding with MLA's latent KV cache (`generate`), and Hugging Face checkpoints (
 export, the parameter name mapping)."""
 
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
+from dropless.models.deepseek_v3.expert_bias import (
+    expert_bias_state,
+    step_expert_bias,
+    with_updated_expert_bias,
+)
 from dropless.models.deepseek_v3.generate import decode_step, generate, prefill, sample
 from dropless.models.deepseek_v3.hf import (
     dropless_names,
@@ -18,10 +23,7 @@ from dropless.models.deepseek_v3.model import (
     ModelFeatures,
     ModelOutput,
     check_tokens,
-    expert_bias_state,
     recorded_routing,
-    step_expert_bias,
-    with_updated_expert_bias,
 )
 from dropless.models.deepseek_v3.mtp import MTP, MTPModule, mtp_targets
 from dropless.models.deepseek_v3.params import ParamCount, count_params
