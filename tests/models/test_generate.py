@@ -13,13 +13,8 @@ import pytest
 
 from dropless.models import get_preset as get_any_preset
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
-from dropless.models.deepseek_v3.generate import (
-    decode_step,
-    generate,
-    length_bucket,
-    prefill,
-    sample,
-)
+from dropless.models.deepseek_v3.decode import decode_step, prefill
+from dropless.models.deepseek_v3.generate import generate, length_bucket, sample
 from dropless.models.deepseek_v3.kv_cache import init_cache
 
 # the module (the package re-exports its function `generate` under the same name)

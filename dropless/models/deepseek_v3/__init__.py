@@ -1,14 +1,15 @@
 """DeepSeek-V3 (and V2) at any size: config, model, multi-token prediction, presets, counts,
-decoding with MLA's latent KV cache (`generate`), and Hugging Face checkpoints (loading,
-export, the parameter name mapping)."""
+decoding with MLA's latent KV cache (`prefill`, `decode_step`, `generate`), and Hugging Face
+checkpoints (loading, export, the parameter name mapping)."""
 
 from dropless.models.deepseek_v3.config import DeepSeekV3Config
+from dropless.models.deepseek_v3.decode import decode_step, prefill
 from dropless.models.deepseek_v3.expert_bias import (
     expert_bias_state,
     step_expert_bias,
     with_updated_expert_bias,
 )
-from dropless.models.deepseek_v3.generate import decode_step, generate, prefill, sample
+from dropless.models.deepseek_v3.generate import generate, sample
 from dropless.models.deepseek_v3.hf import (
     dropless_names,
     from_pretrained,

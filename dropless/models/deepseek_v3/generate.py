@@ -1,16 +1,11 @@
-"""Autoregressive decoding of a `DeepSeekV3` with its KV cache (MLA's latent one, or
-grouped-query attention's keys and values).
+"""Autoregressive generation from a `DeepSeekV3`: `sample` a token from logits, and `generate`,
+the whole loop through the KV cache (`dropless.models.deepseek_v3.decode`).
 
-`prefill` runs a chunk of tokens (the prompt) through the model, filling the cache; each
-`decode_step` runs one more token per row at a given position. Both attend through the cache
-(`kv_cache.cached_attention`: MLA in the absorbed form) and give the logits that
-`model(tokens)` gives at the same positions. MoE layers route every token as in training
-(dropless; their statistics are dropped). Only the main head decodes: MTP modules are not
-used. `generate(..., return_routing=True)` also records the expert choice of every token it
-runs through the model, in the form `model(tokens[:, :-1], replay=...)` takes (routing replay:
-a later forward, or training step, routes as sampling did).
+`generate(..., return_routing=True)` also records the expert choice of every token it runs
+through the model, in the form `model(tokens[:, :-1], replay=...)` takes (routing replay: a
+later forward, or training step, routes as sampling did).
 
-`generate` is the whole loop, compiled once per (batch, prompt bucket, cache bucket): the
+`generate` is compiled once per (batch, prompt bucket, cache bucket): the
 prompt is right-padded to `length_bucket(prompt length)` and the cache holds
 `length_bucket(prompt length + max_new_tokens)` positions, so other lengths in the same buckets,
 and other sampling settings, reuse the compilation. Padding is harmless: a padded position's
@@ -28,21 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from dropless.models.deepseek_v3.kv_cache import (
-    HeadCache,
-    KVCache,
-    LatentCache,
-    cached_attention,
-    init_cache,
-)
+from dropless.models.deepseek_v3.config import DeepSeekV3Config
+from dropless.models.deepseek_v3.decode import hidden_and_routing
+from dropless.models.deepseek_v3.kv_cache import init_cache
 from dropless.models.deepseek_v3.model import (
     DeepSeekV3,
     RoutingReplay,
     check_tokens,
     recorded_routing,
-    split_windows,
 )
-from dropless.moe import MoE
 
 MIN_BUCKET = 16
 
@@ -50,99 +39,6 @@ MIN_BUCKET = 16
 def length_bucket(n: int) -> int:
     """The compiled length for `n` positions: the least power of two >= n, at least 16."""
     return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
-
-
-def _ffn(
-    block, h: Float[Array, "batch seq dim"]
-) -> tuple[Float[Array, "batch seq dim"], Int[Array, "batch seq k"] | None]:
-    # As the decoder block's call, less the MoE statistics but for its expert choice.
-    x = block.post_attention_layernorm(h)
-    if not isinstance(block.mlp, MoE):
-        return block.mlp(x), None
-    batch, seq, dim = x.shape
-    y, stats = block.mlp(x.reshape(batch * seq, dim), seq_len=seq, return_routing=True)
-    ids = stats.expert_ids.reshape(batch, seq, -1)
-    return y.reshape(batch, seq, dim).astype(h.dtype), ids
-
-
-def _run_stack(stack, cache: LatentCache | HeadCache | None, h, positions, start, windows=None):
-    """The stacked blocks over `h`, each writing its layer of `cache` at `start` first;
-    `windows`: each layer's attention window (`split_windows`), or None. Also each MoE layer's
-    expert choice, `[layers batch seq k]` (None for dense blocks or no stack)."""
-    if stack is None:
-        return h, cache, None
-    arrays, static = eqx.partition(stack, eqx.is_array)
-    n = jax.tree.leaves(cache)[0].shape[0]
-
-    def body(carry, xs):
-        h, cache = carry
-        layer_arrays, i, window = xs
-        block = eqx.combine(layer_arrays, static)
-        out, cache = cached_attention(
-            block.self_attn, block.input_layernorm(h), positions, cache, i, start, window
-        )
-        h = h + out
-        y, ids = _ffn(block, h)
-        return (h + y, cache), ids
-
-    windows = None if windows is None else jnp.asarray(windows, jnp.int32)
-    xs = (arrays, jnp.arange(n, dtype=jnp.int32), windows)
-    (h, cache), ids = jax.lax.scan(body, (h, cache), xs)
-    return h, cache, ids
-
-
-def _hidden_and_routing(
-    model: DeepSeekV3, cache: KVCache, tokens: Int[Array, "batch seq"], start
-) -> tuple[Float[Array, "batch seq dim"], KVCache, Int[Array, "layers batch seq k"] | None]:
-    """Final normed hidden states of `tokens` at positions start, start + 1, ..., and the MoE
-    layers' expert choices (None without MoE layers; unused, XLA drops them)."""
-    start = jnp.asarray(start, jnp.int32)
-    positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    h = jnp.take(model.embed_tokens, tokens, axis=0).astype(model.config.compute_jnp_dtype)
-    dense_windows, moe_windows = split_windows(model.config)
-    h, dense, _ = _run_stack(model.dense_layers, cache.dense, h, positions, start, dense_windows)
-    h, moe, ids = _run_stack(model.moe_layers, cache.moe, h, positions, start, moe_windows)
-    return model.norm(h), KVCache(dense, moe), ids
-
-
-def _hidden(
-    model: DeepSeekV3, cache: KVCache, tokens: Int[Array, "batch seq"], start
-) -> tuple[Float[Array, "batch seq dim"], KVCache]:
-    """Final normed hidden states of `tokens` at positions start, start + 1, ..."""
-    h, cache, _ = _hidden_and_routing(model, cache, tokens, start)
-    return h, cache
-
-
-def prefill(
-    model: DeepSeekV3,
-    cache: KVCache,
-    tokens: Int[Array, "batch seq"],
-    start: int | Int[Array, ""] = 0,
-) -> tuple[Float[Array, "batch seq vocab"], KVCache]:
-    """Runs `tokens` at positions `start, ..., start + seq - 1` (every position before `start`
-    already cached), returning their logits (those of `model(...)` there) and the cache with
-    their entries written."""
-    if tokens.shape[1] > cache.length or (
-        isinstance(start, int) and start + tokens.shape[1] > cache.length
-    ):
-        raise ValueError(
-            f"prefill: positions {start}..{start} + {tokens.shape[1]} do not fit a cache of "
-            f"{cache.length} positions"
-        )
-    h, cache = _hidden(model, cache, tokens, start)
-    return model.head(h), cache
-
-
-def decode_step(
-    model: DeepSeekV3,
-    cache: KVCache,
-    token: Int[Array, " batch"],
-    position: int | Int[Array, ""],
-) -> tuple[Float[Array, "batch vocab"], KVCache]:
-    """One token per row at `position` (every earlier position cached): its logits, the
-    scores of the token at `position + 1`, and the cache with its entry written."""
-    logits, cache = prefill(model, cache, token[:, None], position)
-    return logits[:, 0], cache
 
 
 def sample(
@@ -197,7 +93,7 @@ def _generate(
     every position has its choice."""
     batch, padded = prompt.shape
     cache = init_cache(model, batch, length)
-    h, cache, ids = _hidden_and_routing(model, cache, prompt, 0)
+    h, cache, ids = hidden_and_routing(model, cache, prompt, 0)
     routing = None
     if record and ids is not None:
         routing = jnp.zeros((*ids.shape[:2], length, ids.shape[-1]), jnp.int32)
@@ -224,7 +120,7 @@ def _generate(
 
     def body(state):
         position, tokens, cache, done, routing = state
-        h, cache, ids = _hidden_and_routing(model, cache, tokens[:, position, None], position)
+        h, cache, ids = hidden_and_routing(model, cache, tokens[:, position, None], position)
         logits = model.head(h)[:, 0]
         nxt = jnp.where(done, eos_id, pick(logits, position + 1))
         tokens = tokens.at[:, position + 1].set(nxt)
@@ -265,6 +161,33 @@ def generate(
     samples) routes as sampling did; None for a model without MoE layers. The loop then runs
     to the end even after every row wrote `eos_id`.
     """
+    prompt = _prompt(tokens, model.config)
+    seq = prompt.shape[1]
+    if max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens ({max_new_tokens}) must be >= 0")
+    if max_new_tokens == 0 and not return_routing:
+        return jnp.asarray(prompt, jnp.int32)
+    _check_settings(model.config, seq, max_new_tokens, temperature, key, top_k, top_p)
+    if max_new_tokens == 0:  # no token generated: the prompt's own routing
+        out = _routing_jit(model, jnp.asarray(prompt[:, :-1], jnp.int32)) if seq > 1 else None
+        return jnp.asarray(prompt, jnp.int32), out
+    return _run(
+        model,
+        prompt,
+        seq + max_new_tokens,
+        key=key,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=eos_id,
+        return_routing=return_routing,
+    )
+
+
+def _prompt(
+    tokens: Int[ArrayLike, "batch seq"] | Sequence[Sequence[int]], config: DeepSeekV3Config
+) -> np.ndarray:
+    """`tokens` as a checked `[batch seq]` array (`check_tokens`, equal lengths, seq >= 1)."""
     if isinstance(tokens, (list, tuple)):
         lengths = sorted({len(row) for row in tokens})
         if len(lengths) > 1:
@@ -273,16 +196,24 @@ def generate(
                 "each length in its own call"
             )
     prompt = np.asarray(tokens)
-    check_tokens(prompt, model.config)
-    batch, seq = prompt.shape
-    total = seq + max_new_tokens
-    if seq < 1:
+    check_tokens(prompt, config)
+    if prompt.shape[1] < 1:
         raise ValueError("generate: the prompt must hold at least one token")
-    if max_new_tokens < 0:
-        raise ValueError(f"generate: max_new_tokens ({max_new_tokens}) must be >= 0")
-    if max_new_tokens == 0 and not return_routing:
-        return jnp.asarray(prompt, jnp.int32)
-    limit = model.config.max_position_embeddings
+    return prompt
+
+
+def _check_settings(
+    config: DeepSeekV3Config,
+    seq: int,
+    max_new_tokens: int,
+    temperature: float,
+    key: PRNGKeyArray | None,
+    top_k: int | None,
+    top_p: float | None,
+) -> None:
+    """Raises ValueError for a length past the model's positions or a bad sampling setting."""
+    total = seq + max_new_tokens
+    limit = config.max_position_embeddings
     if total > limit:
         raise ValueError(
             f"generate: prompt ({seq}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
@@ -296,9 +227,22 @@ def generate(
         raise ValueError(f"generate: top_k ({top_k}) must be >= 1, or None")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"generate: top_p ({top_p}) must be in (0, 1], or None")
-    if max_new_tokens == 0:  # no token generated: the prompt's own routing
-        out = _routing_jit(model, jnp.asarray(prompt[:, :-1], jnp.int32)) if seq > 1 else None
-        return jnp.asarray(prompt, jnp.int32), out
+
+
+def _run(
+    model: DeepSeekV3,
+    prompt: np.ndarray,
+    total: int,
+    *,
+    key: PRNGKeyArray | None,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    eos_id: int | None,
+    return_routing: bool,
+) -> Int[Array, "batch total"] | tuple[Int[Array, "batch total"], RoutingReplay | None]:
+    """`generate`'s compiled loop on a checked prompt, `total` tokens long per row."""
+    batch, seq = prompt.shape
     padded = np.zeros((batch, length_bucket(seq)), np.int32)
     padded[:, :seq] = prompt
     # Every setting a traced array, so that none of them is part of the compilation's key.
