@@ -75,7 +75,40 @@ def _plan(
     shapes = {n: t.shape for n, t in table.items() if not t.duplicate}
     packed, bad_shape = packed_tensors(shapes, ckpt) if mxfp4 else ({}, [])
     missing = [n for n in shapes if n not in ckpt.where and n not in packed]
-    scales: dict[str, Source] = dict(packed)
+    scales, bad_dtype = _fp8_scales(table, ckpt, fp8_block, bad_shape)
+    scales = {**packed, **scales}
+    unexpected = _unexpected(table, ckpt, scales, ignore_from_layer)
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_listing(sorted(unexpected))}")
+    if bad_shape:
+        problems.append(f"wrong shapes: {_listing(bad_shape, 6)}")
+    if bad_dtype:
+        problems.append(f"wrong dtypes: {_listing(bad_dtype, 6)}")
+    if problems:
+        raise CheckpointError(
+            f"{where}: the checkpoint does not match its config.json: " + "; ".join(problems)
+        )
+    reads = [(t, scales.get(t.name)) for t in table.values() if not t.duplicate]
+    order = {id(f): i for i, f in enumerate(ckpt.files)}
+
+    def first(read):  # a packed tensor's blocks stand for it
+        name = read[1][0] if isinstance(read[1], tuple) else read[0].name
+        return order[id(ckpt.where[name])], ckpt.info(name).start
+
+    return sorted(reads, key=first)
+
+
+def _fp8_scales(
+    table: Mapping[str, HFTensor],
+    ckpt: Checkpoint,
+    fp8_block: tuple[int, int] | None,
+    bad_shape: list[str],
+) -> tuple[dict[str, Source], list[str]]:
+    """(the scale tensor of each fp8 tensor of `table` in `ckpt`, the dtype problems); shape
+    problems are appended to `bad_shape`."""
+    scales: dict[str, Source] = {}
     bad_dtype = []
     for name, t in table.items():
         if name not in ckpt.where:
@@ -99,6 +132,17 @@ def _plan(
             scales[name] = scale
         elif info.dtype not in FLOAT_DTYPES:
             bad_dtype.append(f"{name} has dtype {info.dtype}, not a float type")
+    return scales, bad_dtype
+
+
+def _unexpected(
+    table: Mapping[str, HFTensor],
+    ckpt: Checkpoint,
+    scales: Mapping[str, Source],
+    ignore_from_layer: int | None,
+) -> list[str]:
+    """The tensors of `ckpt` that neither the table nor a scale reads, less those ignored
+    (`IGNORED`, layers from `ignore_from_layer`) and empty ones."""
 
     def ignored(name: str) -> bool:
         if IGNORED.search(name):
@@ -110,31 +154,11 @@ def _plan(
         return 0 in ckpt.info(name).shape
 
     consumed = {n for s in scales.values() for n in ((s,) if isinstance(s, str) else s)}
-    unexpected = [
+    return [
         n
         for n in ckpt.where
         if n not in table and n not in consumed and not ignored(n) and not empty(n)
     ]
-    if missing:
-        problems.append(f"missing tensors: {_listing(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {_listing(sorted(unexpected))}")
-    if bad_shape:
-        problems.append(f"wrong shapes: {_listing(bad_shape, 6)}")
-    if bad_dtype:
-        problems.append(f"wrong dtypes: {_listing(bad_dtype, 6)}")
-    if problems:
-        raise CheckpointError(
-            f"{where}: the checkpoint does not match its config.json: " + "; ".join(problems)
-        )
-    reads = [(t, scales.get(t.name)) for t in table.values() if not t.duplicate]
-    order = {id(f): i for i, f in enumerate(ckpt.files)}
-
-    def first(read):  # a packed tensor's blocks stand for it
-        name = read[1][0] if isinstance(read[1], tuple) else read[0].name
-        return order[id(ckpt.where[name])], ckpt.info(name).start
-
-    return sorted(reads, key=first)
 
 
 def _check_size(config: DeepSeekV3Config, ckpt: Checkpoint, fused: set[int], where) -> None:

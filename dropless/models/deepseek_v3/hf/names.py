@@ -133,21 +133,7 @@ def tensor_table(
         table[name] = HFTensor(name, shape, slots, duplicate, write, interleave)
 
     def block(hf: str, stack: str, index: tuple[int, ...], layer: int) -> None:
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            add(f"{hf}.{norm}.weight", Slot(f"{stack}.{norm}.weight", index, False))
-        for proj in _ATTN_PROJ:
-            if f"{stack}.self_attn.{proj}" in leaves:
-                add(f"{hf}.self_attn.{proj}.weight", Slot(f"{stack}.self_attn.{proj}", index, True))
-        for norm in _ATTN_NORMS:
-            if f"{stack}.self_attn.{norm}.weight" in leaves:
-                leaf = f"{stack}.self_attn.{norm}.weight"
-                add(f"{hf}.self_attn.{norm}.weight", Slot(leaf, index, False))
-        for proj in ("q", "k", "v", "o"):
-            if f"{stack}.self_attn.{proj}_bias" in leaves:
-                bias = Slot(f"{stack}.self_attn.{proj}_bias", index, False)
-                add(f"{hf}.self_attn.{proj}_proj.bias", bias)
-        if f"{stack}.self_attn.sinks" in leaves:
-            add(f"{hf}.self_attn.sinks", Slot(f"{stack}.self_attn.sinks", index, False))
+        _attention(add, leaves, hf, stack, index)
         mlp = f"{stack}.mlp"
         if config.model_type == "gpt_oss" and f"{mlp}.experts.w_gate" in leaves:
             _gpt_oss_moe(add, hf, mlp, index)
@@ -164,21 +150,7 @@ def tensor_table(
             for name, w in _SWIGLU:
                 shared = Slot(f"{mlp}.shared.{w}", index, True)
                 add(f"{hf}.mlp.shared_experts.{name}.weight", shared)
-        experts = f"{mlp}.experts"
-        if layer in fused_layers:
-            gate, up = Slot(f"{experts}.w_gate", index, True), Slot(f"{experts}.w_up", index, True)
-            add(f"{hf}.mlp.experts.gate_up_proj", gate, up)
-            add(f"{hf}.mlp.experts.down_proj", Slot(f"{experts}.w_down", index, True))
-            return
-        mlp_name, names = "mlp", _SWIGLU
-        if config.model_type == "mixtral":
-            mlp_name, names = "block_sparse_moe", _MIXTRAL_SWIGLU
-            router = f"{hf}.{mlp_name}.gate.weight"
-            table[router] = dataclasses.replace(table.pop(f"{hf}.mlp.gate.weight"), name=router)
-        for e in range(leaves[f"{experts}.w_gate"][len(index)]):
-            for name, w in names:
-                expert = Slot(f"{experts}.{w}", (*index, e), True)
-                add(f"{hf}.{mlp_name}.experts.{e}.{name}.weight", expert)
+        _routed_experts(add, table, leaves, config, hf, mlp, index, layer in fused_layers)
 
     add("model.embed_tokens.weight", Slot("embed_tokens", (), False))
     first_k, n_layers = config.first_k_dense_replace, config.num_hidden_layers
@@ -194,17 +166,61 @@ def tensor_table(
     add("lm_head.weight", head, duplicate=tied, write=not tied)
     if "mtp.layers.eh_proj" in leaves:
         for d in range(leaves["mtp.layers.eh_proj"][0]):
-            hf, index = f"model.layers.{n_layers + d}", (d,)
-            for norm in ("enorm", "hnorm"):
-                add(f"{hf}.{norm}.weight", Slot(f"mtp.layers.{norm}.weight", index, False))
-            add(f"{hf}.eh_proj.weight", Slot("mtp.layers.eh_proj", index, True))
-            norm = Slot("mtp.layers.shared_head.norm.weight", index, False)
-            add(f"{hf}.shared_head.norm.weight", norm)
-            block(hf, "mtp.layers.block", index, n_layers + d)
-            # DeepSeek's release stores each MTP module with its own copy of embedding and head.
-            add(f"{hf}.embed_tokens.weight", Slot("embed_tokens", (), False), duplicate=True)
-            add(f"{hf}.shared_head.head.weight", head, duplicate=True)
+            _mtp_module(add, block, head, n_layers, d)
     return table
+
+
+def _routed_experts(add, table, leaves, config, hf, mlp, index, fused: bool) -> None:
+    """The routed experts' tensors: fused (`gate_up_proj`, `down_proj`) or one per expert and
+    projection (Mixtral's names, its router renamed to match, for `config.model_type` mixtral)."""
+    experts = f"{mlp}.experts"
+    if fused:
+        gate, up = Slot(f"{experts}.w_gate", index, True), Slot(f"{experts}.w_up", index, True)
+        add(f"{hf}.mlp.experts.gate_up_proj", gate, up)
+        add(f"{hf}.mlp.experts.down_proj", Slot(f"{experts}.w_down", index, True))
+        return
+    mlp_name, names = "mlp", _SWIGLU
+    if config.model_type == "mixtral":
+        mlp_name, names = "block_sparse_moe", _MIXTRAL_SWIGLU
+        router = f"{hf}.{mlp_name}.gate.weight"
+        table[router] = dataclasses.replace(table.pop(f"{hf}.mlp.gate.weight"), name=router)
+    for e in range(leaves[f"{experts}.w_gate"][len(index)]):
+        for name, w in names:
+            expert = Slot(f"{experts}.{w}", (*index, e), True)
+            add(f"{hf}.{mlp_name}.experts.{e}.{name}.weight", expert)
+
+
+def _attention(add, leaves, hf: str, stack: str, index: tuple[int, ...]) -> None:
+    """The tensors of a decoder block's norms and attention, those its leaves have."""
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        add(f"{hf}.{norm}.weight", Slot(f"{stack}.{norm}.weight", index, False))
+    for proj in _ATTN_PROJ:
+        if f"{stack}.self_attn.{proj}" in leaves:
+            add(f"{hf}.self_attn.{proj}.weight", Slot(f"{stack}.self_attn.{proj}", index, True))
+    for norm in _ATTN_NORMS:
+        if f"{stack}.self_attn.{norm}.weight" in leaves:
+            leaf = f"{stack}.self_attn.{norm}.weight"
+            add(f"{hf}.self_attn.{norm}.weight", Slot(leaf, index, False))
+    for proj in ("q", "k", "v", "o"):
+        if f"{stack}.self_attn.{proj}_bias" in leaves:
+            bias = Slot(f"{stack}.self_attn.{proj}_bias", index, False)
+            add(f"{hf}.self_attn.{proj}_proj.bias", bias)
+    if f"{stack}.self_attn.sinks" in leaves:
+        add(f"{hf}.self_attn.sinks", Slot(f"{stack}.self_attn.sinks", index, False))
+
+
+def _mtp_module(add, block, head: Slot, n_layers: int, d: int) -> None:
+    """The tensors of MTP depth `d`, stored as layer `n_layers + d`."""
+    hf, index = f"model.layers.{n_layers + d}", (d,)
+    for norm in ("enorm", "hnorm"):
+        add(f"{hf}.{norm}.weight", Slot(f"mtp.layers.{norm}.weight", index, False))
+    add(f"{hf}.eh_proj.weight", Slot("mtp.layers.eh_proj", index, True))
+    norm = Slot("mtp.layers.shared_head.norm.weight", index, False)
+    add(f"{hf}.shared_head.norm.weight", norm)
+    block(hf, "mtp.layers.block", index, n_layers + d)
+    # DeepSeek's release stores each MTP module with its own copy of embedding and head.
+    add(f"{hf}.embed_tokens.weight", Slot("embed_tokens", (), False), duplicate=True)
+    add(f"{hf}.shared_head.head.weight", head, duplicate=True)
 
 
 def _gpt_oss_moe(add, hf: str, mlp: str, index: tuple[int, ...]) -> None:

@@ -112,6 +112,27 @@ def save_pretrained(
         return math.prod(t.shape) * np.dtype(leaves[t.slots[0].leaf].dtype).itemsize
 
     sizes = [(t.name, nbytes(t)) for t in tensors]
+    _write_weights(path, table, leaves, sizes, max_shard_size, progress)
+    hf = config.to_hf_dict()
+    if config.model_type in MLA_TYPES and config.topk_method != "noaux_tc":
+        # transformers' DeepseekV3 always routes the V3 way (sigmoid, bias, top-2 group sums):
+        # V2 routing must say deepseek_v2 to be read back as what it is.
+        hf["model_type"], hf["architectures"] = "deepseek_v2", ["DeepseekV2ForCausalLM"]
+    hf["dtype"] = hf["torch_dtype"] = np.dtype(leaves["embed_tokens"].dtype).name
+    with open(path / CONFIG_NAME, "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+
+
+def _write_weights(
+    path: pathlib.Path,
+    table: Mapping[str, HFTensor],
+    leaves: Mapping[str, Any],
+    sizes: list[tuple[str, int]],
+    max_shard_size: int | str,
+    progress: bool | None,
+) -> None:
+    """The weight files of the tensors `sizes` names ((name, bytes), in order): one file, or
+    shards of at most `max_shard_size` and their index, replacing those already in `path`."""
     shards = _shards(sizes, _parse_size(max_shard_size))
     names = (
         [WEIGHTS_NAME]
@@ -137,14 +158,6 @@ def save_pretrained(
         }
         with open(path / INDEX_NAME, "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
-    hf = config.to_hf_dict()
-    if config.model_type in MLA_TYPES and config.topk_method != "noaux_tc":
-        # transformers' DeepseekV3 always routes the V3 way (sigmoid, bias, top-2 group sums):
-        # V2 routing must say deepseek_v2 to be read back as what it is.
-        hf["model_type"], hf["architectures"] = "deepseek_v2", ["DeepseekV2ForCausalLM"]
-    hf["dtype"] = hf["torch_dtype"] = np.dtype(leaves["embed_tokens"].dtype).name
-    with open(path / CONFIG_NAME, "w") as f:
-        json.dump(hf, f, indent=2, sort_keys=True)
 
 
 def to_hf(tree: DeepSeekV3) -> dict[str, np.ndarray]:
