@@ -162,23 +162,8 @@ class MoE(eqx.Module):
         swiglu_alpha: float = 1.702,
         key: PRNGKeyArray,
     ):
-        for name, value, least in (
-            ("dim", dim, 1),
-            ("moe_intermediate_size", moe_intermediate_size, 1),
-            ("n_shared_experts", n_shared_experts, 0),
-            ("n_zero_experts", n_zero_experts, 0),
-        ):
-            if value < least:
-                raise ValueError(f"MoE: {name} ({value}) must be >= {least}")
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"MoE: dtype ({jnp.dtype(dtype)}) must be a floating-point dtype")
-        for name, value, kind in (
-            ("dispatcher", dispatcher, AbstractDispatcher),
-            ("gmm", gmm, AbstractGroupedMatmul),
-            ("topk", topk, AbstractTopK),
-        ):
-            if not isinstance(value, kind):
-                raise TypeError(f"MoE: {name} must be an {kind.__name__}, got {value!r}")
+        sizes = (dim, moe_intermediate_size, n_shared_experts, n_zero_experts)
+        _check_args(*sizes, dtype, dispatcher, gmm, topk)
         _check_zero_experts(spec, n_zero_experts, zero_output, active_experts)
         k_router, k_experts, k_shared = jax.random.split(key, 3)
         choices = spec.n_routed_experts + n_zero_experts
@@ -280,6 +265,30 @@ class MoE(eqx.Module):
         tokens = loads.sum(-1, keepdims=True) / k
         share = jnp.concatenate([jnp.full((e,), active / e), jnp.full((z,), (k - active) / z)])
         return tokens * share
+
+
+def _check_args(
+    dim, moe_intermediate_size, n_shared_experts, n_zero_experts, dtype, dispatcher, gmm, topk
+) -> None:
+    """Raises for a size below its least, a dtype that is not floating-point, or a stage that is
+    not an instance of its abstract class."""
+    for name, value, least in (
+        ("dim", dim, 1),
+        ("moe_intermediate_size", moe_intermediate_size, 1),
+        ("n_shared_experts", n_shared_experts, 0),
+        ("n_zero_experts", n_zero_experts, 0),
+    ):
+        if value < least:
+            raise ValueError(f"MoE: {name} ({value}) must be >= {least}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"MoE: dtype ({jnp.dtype(dtype)}) must be a floating-point dtype")
+    for name, value, kind in (
+        ("dispatcher", dispatcher, AbstractDispatcher),
+        ("gmm", gmm, AbstractGroupedMatmul),
+        ("topk", topk, AbstractTopK),
+    ):
+        if not isinstance(value, kind):
+            raise TypeError(f"MoE: {name} must be an {kind.__name__}, got {value!r}")
 
 
 def _check_zero_experts(spec: RoutingSpec, n_zero: int, output: str, active) -> None:
