@@ -186,6 +186,12 @@ class TrainConfig:
         wrong_type = field_type_error(self)
         if wrong_type:
             raise ValueError(f"TrainConfig.{wrong_type}")
+        self._check_signs()
+        self._check_ranges()
+        self._check_choices()
+
+    def _check_signs(self):
+        """Raises unless every float is finite and the counts and weights are >= 1 or >= 0."""
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -221,6 +227,9 @@ class TrainConfig:
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+    def _check_ranges(self):
+        """Raises unless the numbers with a range of their own are in it."""
         if self.batch_size % self.micro_batches:
             raise ValueError(
                 f"TrainConfig.micro_batches ({self.micro_batches}) must divide batch_size "
@@ -248,6 +257,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.log_every must be >= 1, got {self.log_every}")
         if self.n_languages < 1:
             raise ValueError(f"TrainConfig.n_languages must be >= 1, got {self.n_languages}")
+
+    def _check_choices(self):
+        """Raises unless the mesh parses and every dtype is one of its choices."""
         if self.mesh is not None:
             try:
                 parse_mesh(self.mesh)
