@@ -134,6 +134,25 @@ def compiled_memory(
     if len(devices) < count:
         raise ValueError(f"mesh {mesh!r} needs {count} devices, {len(devices)} at hand")
     device_mesh = sharding.mesh_from_spec(mesh, devices=devices) if count > 1 else None
+    step, arrays, tokens = _abstract_step(config, train, device_mesh, devices[0])
+    start = time.perf_counter()
+    lowered = jax.jit(step, donate_argnums=0).lower(arrays, tokens)
+    compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
+    seconds = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    return CompiledMemory(
+        arguments=m.argument_size_in_bytes,
+        outputs=m.output_size_in_bytes,
+        aliased=m.alias_size_in_bytes,
+        temp=m.temp_size_in_bytes,
+        device_kind=str(getattr(devices[0], "device_kind", devices[0].platform)),
+        seconds=seconds,
+    )
+
+
+def _abstract_step(config: DeepSeekV3Config, train: TrainConfig, device_mesh, device):
+    """(the train step as a function of (state arrays, tokens), the abstract state arrays, the
+    abstract batch), placed on `device_mesh`, or on `device` when it is None."""
     box = {}
 
     def build():
@@ -151,7 +170,6 @@ def compiled_memory(
     window = (train.batch_size, train.seq_len + 1)
     static, micro = box["static"], train.micro_batches
     if device_mesh is None:
-        device = devices[0]
         place = jax.sharding.SingleDeviceSharding(device)
         arrays = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=place), arrays
@@ -172,16 +190,4 @@ def compiled_memory(
         def step(arrays, tokens):
             return sharded_train_step(device_mesh, eqx.combine(arrays, static), tokens, micro)
 
-    start = time.perf_counter()
-    lowered = jax.jit(step, donate_argnums=0).lower(arrays, tokens)
-    compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
-    seconds = time.perf_counter() - start
-    m = compiled.memory_analysis()
-    return CompiledMemory(
-        arguments=m.argument_size_in_bytes,
-        outputs=m.output_size_in_bytes,
-        aliased=m.alias_size_in_bytes,
-        temp=m.temp_size_in_bytes,
-        device_kind=str(getattr(devices[0], "device_kind", devices[0].platform)),
-        seconds=seconds,
-    )
+    return step, arrays, tokens

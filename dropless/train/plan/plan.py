@@ -97,6 +97,7 @@ def train_config(
     )
 
 
+# Over 60 lines: half of it is the Plan record, a field a line, each from the terms above it.
 def plan(
     config: DeepSeekV3Config,
     mesh: str,
