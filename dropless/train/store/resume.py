@@ -114,25 +114,9 @@ def restore_intact(
             f"--resume-step {chosen}: no checkpoint for step {chosen} in "
             f"{checkpointer.directory}; available: {steps}"
         )
-    candidates = [chosen] if chosen is not None else steps[::-1]
-    skipped = []
-    for step in candidates:
-        try:
-            saved = check_model(checkpointer, step, fresh)
-            state, _ = checkpointer.restore(fresh, step)
-        except CorruptCheckpoint as err:
-            if chosen is not None:
-                raise
-            skipped.append(str(err))
-            warnings.warn(f"{err}; trying an older checkpoint", stacklevel=2)
-            continue
-        break
-    else:
-        raise CheckpointError(
-            f"cannot resume: no intact checkpoint in {checkpointer.directory} ("
-            + "; ".join(skipped)
-            + ")"
-        )
+    state, saved, step = _restore_first_intact(
+        checkpointer, fresh, [chosen] if chosen is not None else steps[::-1], chosen is not None
+    )
     allowed = (
         []
         if data is None
@@ -166,3 +150,29 @@ def restore_intact(
             stacklevel=2,
         )
     return state
+
+
+def _restore_first_intact(
+    checkpointer: Checkpointer, fresh: TrainState, candidates: list[int], chosen: bool
+) -> tuple[TrainState, dict, int]:
+    """(state, saved config, step) of the first of `candidates` whose checkpoint is intact,
+    warning of each skipped; a `chosen` step's corruption raises. Raises CheckpointError when
+    none is intact."""
+    skipped = []
+    for step in candidates:
+        try:
+            saved = check_model(checkpointer, step, fresh)
+            state, _ = checkpointer.restore(fresh, step)
+        except CorruptCheckpoint as err:
+            if chosen:
+                raise
+            skipped.append(str(err))
+            # the caller of `restore_intact` is the one warned
+            warnings.warn(f"{err}; trying an older checkpoint", stacklevel=3)
+            continue
+        return state, saved, step
+    raise CheckpointError(
+        f"cannot resume: no intact checkpoint in {checkpointer.directory} ("
+        + "; ".join(skipped)
+        + ")"
+    )
