@@ -109,6 +109,8 @@ class AllToAllDispatcher(AbstractExpertParallelDispatcher):
                 f"exchange must be 'auto', 'all_to_all' or 'ragged', got {self.exchange!r}"
             )
 
+    # Over 60 lines: the steps of one exchange (sort, count, bound, send, lay out) share a
+    # dozen per-device arrays; the layout of what arrives is `_expert_contiguous`.
     def _dispatch(self, x, routing):
         ep = axis_size(self.axis_name)
         tokens, k = routing.expert_ids.shape
@@ -170,23 +172,10 @@ class AllToAllDispatcher(AbstractExpertParallelDispatcher):
             received = ragged_exchange(sorted_x, fwd, back, n_rows, self.axis_name)
             exchange_plan = dict(send=fwd, back=back)
 
-        # 4. expert-contiguous layout of the received rows. Segment (q, l) = the rows of local
-        # expert l from source q: it starts at land[q, me] + (rows of lower experts from q).
+        # 4. expert-contiguous layout of the received rows
         got = kept_e[:, me, :]  # [source, local expert]
-        seg_start = (land[:, me, None] + exclusive_cumsum(got)).reshape(-1)
-        seg_size = got.reshape(-1)
-        row = jnp.arange(n_rows, dtype=jnp.int32)
-        seg = jnp.searchsorted(seg_start, row, side="right").astype(jnp.int32) - 1
-        seg_c = jnp.clip(seg, 0, ep * local - 1)
-        valid = (seg >= 0) & (row < seg_start[seg_c] + seg_size[seg_c])
-        q, lx = seg_c // local, seg_c % local
+        local_order, local_inverse = _expert_contiguous(got, land[:, me], n_rows)
         group_sizes = got.sum(0)
-        group_start = exclusive_cumsum(group_sizes)
-        before = exclusive_cumsum(got, axis=0)  # rows of expert l from lower sources
-        target = group_start[lx] + before[q, lx] + row - seg_start[seg_c]
-        spare = group_sizes.sum() + jnp.cumsum(~valid) - 1  # padding goes to the tail, in order
-        local_inverse = jnp.where(valid, target, spare).astype(jnp.int32)
-        local_order = jnp.zeros_like(local_inverse).at[local_inverse].set(row)
         rows = permute_rows(received, local_order, local_inverse)
 
         if self.recv_factor is not None and self.overflow == "raise":
@@ -212,6 +201,31 @@ class AllToAllDispatcher(AbstractExpertParallelDispatcher):
         y_copies = permute_rows(y_sorted, plan.inverse, plan.order).reshape(tokens, k, -1)
         y = jnp.einsum("tkd,tk->td", y_copies.astype(jnp.float32), routing.weights)
         return y.astype(y_rows.dtype)
+
+
+def _expert_contiguous(
+    got: Int[Array, "ep experts"], land: Int[Array, " ep"], n_rows: int
+) -> tuple[Int[Array, " rows"], Int[Array, " rows"]]:
+    """(order, inverse) that lay the `n_rows` received rows out expert-contiguous, experts in
+    order, sources in order inside each, the padding at the tail in order. `got[q, l]`: rows
+    of local expert l from source q; `land[q]`: where source q's rows start. Segment (q, l)
+    starts at land[q] + (rows of lower experts from q)."""
+    ep, local = got.shape
+    seg_start = (land[:, None] + exclusive_cumsum(got)).reshape(-1)
+    seg_size = got.reshape(-1)
+    row = jnp.arange(n_rows, dtype=jnp.int32)
+    seg = jnp.searchsorted(seg_start, row, side="right").astype(jnp.int32) - 1
+    seg_c = jnp.clip(seg, 0, ep * local - 1)
+    valid = (seg >= 0) & (row < seg_start[seg_c] + seg_size[seg_c])
+    q, lx = seg_c // local, seg_c % local
+    group_sizes = got.sum(0)
+    group_start = exclusive_cumsum(group_sizes)
+    before = exclusive_cumsum(got, axis=0)  # rows of expert l from lower sources
+    target = group_start[lx] + before[q, lx] + row - seg_start[seg_c]
+    spare = group_sizes.sum() + jnp.cumsum(~valid) - 1  # padding goes to the tail, in order
+    local_inverse = jnp.where(valid, target, spare).astype(jnp.int32)
+    local_order = jnp.zeros_like(local_inverse).at[local_inverse].set(row)
+    return local_order, local_inverse
 
 
 def ep_backend(

@@ -81,6 +81,9 @@ def grouped_matmul_swiglu(
     return gate_up[:rows], hidden[:rows]
 
 
+# Over 60 lines: one kernel launch, whose specs, pipeline and body share the tile config and
+# the traced refs; its parts that stand alone are `_store_rows`, `_swiglu_epilogue` and
+# `_run_chained`.
 def _launch(
     schedule, n_items, lhs, rhs, transpose_rhs, c: KernelConfig, swiglu=False, row_scale=None
 ):
@@ -113,6 +116,8 @@ def _launch(
     # store takes only contiguous shared memory), the hidden units then written over the gate.
     tile_shape = (2, c.tile_m, c.tile_n // 2) if swiglu else (c.tile_m, c.tile_n)
 
+    # Over 60 lines: one kernel body; its nested scope, loop step and epilogues close over the
+    # same shared-memory refs and per-tile indices.
     def body(schedule_gmem, n_items_gmem, lhs_gmem, rhs_gmem, *outs):
         if row_scale is None:
             scale_gmem, (out_gmem, *hidden_gmem) = None, outs
