@@ -44,6 +44,7 @@ def test_mkdocs_nav_pages_exist():
     assert [p for p in nav if not (DOCS / p).exists()] == []
 
 
+@pytest.mark.slow
 def test_mkdocs_build_is_strict_clean(tmp_path):
     """The documentation site builds with `mkdocs build --strict` (warnings are errors)."""
     pytest.importorskip("mkdocs")

@@ -22,6 +22,7 @@ def layouts(draw):
     return np.array(sizes), rows, tile_m
 
 
+@pytest.mark.slow
 @given(layouts())
 @example((np.array([3, 0, 200, 1]), 256, 128))  # a tile moved back to end at `rows`
 def test_schedule_covers_every_row_once_with_its_group(layout):

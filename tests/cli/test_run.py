@@ -4,6 +4,8 @@ data it opens once."""
 import errno
 import os
 
+import pytest
+
 from dropless.cli.parsing import parse
 from dropless.cli.run import disk_line, run_train, what_is_saved
 from dropless.train.loop import data_source
@@ -48,6 +50,7 @@ def test_the_line_of_a_full_disk_names_the_free_space(tmp_path):
     assert line.startswith(f"no space left on the device of {tmp_path} (") and "free" in line
 
 
+@pytest.mark.slow
 def test_the_data_is_opened_once(tmp_path, monkeypatch, capsys):
     """The command opens the data (to fit the vocabulary to the tokenizer's) and `train` takes
     it opened: one opening per run."""

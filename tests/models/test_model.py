@@ -474,6 +474,7 @@ def test_sliding_window_bounds_what_a_position_sees(tokens):
         np.testing.assert_array_equal(np.flatnonzero(seen), np.arange(max(t - 4, 0), t + 1))
 
 
+@pytest.mark.slow
 def test_replayed_routing_reproduces_the_forward_and_trains_the_router(model, tokens):
     """Routing replay: the recorded choice of every MoE layer (main stack and MTP) given back
     reproduces the logits exactly; another choice changes them; and through a replayed

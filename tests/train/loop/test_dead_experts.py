@@ -59,6 +59,7 @@ def test_a_window_below_one_is_refused():
 FORCED = 4  # experts per MoE layer that no token can choose
 
 
+@pytest.mark.slow
 def test_a_run_counts_the_experts_it_never_chooses(tmp_path, train_config):
     model_config = get_preset("tiny", num_hidden_layers=2)
     config = train_config(

@@ -244,6 +244,7 @@ def test_a_model_without_moe_layers_checkpoints_and_resumes(tmp_path, config):
     assert os.path.exists(resumed.files["loss_plot"])
 
 
+@pytest.mark.slow
 def test_an_evaluation_cut_short_runs_again_on_resume(tmp_path, config):
     out = str(tmp_path)
     settings = config(steps=8, checkpoint_every=4, eval_every=4)

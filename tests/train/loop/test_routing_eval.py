@@ -43,6 +43,7 @@ def forward(model, tokens, replay=None):
     return cross_entropy(out.logits, tokens[:, 1:]), recorded_routing(out)
 
 
+@pytest.mark.slow
 def test_record_then_replay(model, tmp_path):
     windows = [
         np.asarray(jax.random.randint(jax.random.key(i), (ROWS, WINDOW), 0, 512), np.int32)

@@ -167,6 +167,7 @@ def _expert_elements(config) -> int:
     return sum(a.size for n in nodes if isinstance(n, GroupedExperts) for a in jax.tree.leaves(n))
 
 
+@pytest.mark.slow
 def test_sharding_divides_by_the_mesh():
     config = get_preset("tiny")
     total = count_params(config).total_with_mtp
@@ -264,6 +265,7 @@ def test_command(capsys):
     assert main([*args, "--set", "model.remat=sideways"]) == 2
 
 
+@pytest.mark.slow
 def test_communication_per_device_by_hand():
     """fsdp=2: every fsdp-sharded array moves its other half in (gather) and its gradient's
     out (reduce-scatter); the small replicated ones all-reduce their gradient (ring, 2 (n-1)/n
@@ -298,6 +300,7 @@ def test_network_time_against_compute_time():
         plan(config, "", BATCH, SEQ, mfu=0.0)
 
 
+@pytest.mark.slow
 def test_weight_copies_are_not_activations():
     """bf16 compute, remat none: the backward keeps bf16 casts of the weights. They do not
     grow with the batch, and under expert=4 a device keeps its quarter of the experts'."""
@@ -309,6 +312,7 @@ def test_weight_copies_are_not_activations():
     assert 0 < ep.weight_copies < one.weight_copies
 
 
+@pytest.mark.slow
 def test_layer_gathers_never_exceed_step_gathers():
     for layers in (2, 8):
         config = get_preset("tiny", num_hidden_layers=layers)
@@ -318,6 +322,7 @@ def test_layer_gathers_never_exceed_step_gathers():
     assert layer.fsdp_gathered < step.fsdp_gathered  # 8 layers: two in flight, not all
 
 
+@pytest.mark.slow
 def test_plan_counts_the_gpu_attention_path():
     """cuDNN's attention keeps what the blockwise one keeps (output and a statistic per row),
     far below the einsum attention's float32 probabilities at a long sequence."""

@@ -283,6 +283,7 @@ _CRASHED = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro_batches", [1, pytest.param(2, marks=_CRASHED)])
 def test_global_balance_loss_on_a_mesh_is_the_single_device_loss_of_the_whole_batch(
     micro_batches,
@@ -320,6 +321,7 @@ def test_global_balance_loss_on_a_mesh_is_the_single_device_loss_of_the_whole_ba
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fresh_state_is_made_sharded():
     """`init_sharded_state`: every array of a fresh state (bf16 weights with float32 master
     weights, so that every part is there) is placed on the mesh as `state_shardings` says, the

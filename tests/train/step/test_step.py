@@ -189,6 +189,7 @@ def small_model(**changes) -> DeepSeekV3:
     return DeepSeekV3(config, key=jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_global_balance_loss_in_micro_batches_is_the_whole_batchs():
     """The global-batch balance loss of a step in 2 micro-batches is the batch-wise loss of the
     whole batch in one pass, and so is the step it takes; the per-micro-batch loss is not."""
@@ -211,6 +212,7 @@ def test_global_balance_loss_in_micro_batches_is_the_whole_batchs():
     assert float(m0["global_balance_loss"]) == 0.0
 
 
+@pytest.mark.slow
 def test_the_models_bias_rule_moves_the_bias():
     model = small_model(bias_update="proportional")
     assert model.moe_layers.mlp.router.bias_update == ProportionalBiasUpdate()
@@ -222,6 +224,7 @@ def test_the_models_bias_rule_moves_the_bias():
     assert float(jnp.abs(want).max()) > 0
 
 
+@pytest.mark.slow
 def test_the_pid_rules_memory_lives_in_the_train_state():
     """Three steps under the PID rule: the bias and the rule's memory (`TrainState.bias_state`)
     follow the PID recurrence, in float64 here, on the steps' loads."""
@@ -251,6 +254,7 @@ def test_the_pid_rules_memory_lives_in_the_train_state():
     assert loads.shape == (1, 16)
 
 
+@pytest.mark.slow
 def test_zero_computation_experts_train_and_their_biases_follow_their_target():
     changes = dict(n_group=1, topk_group=1, n_zero_experts=2, zero_expert_active=1.0)
     model = small_model(**changes)

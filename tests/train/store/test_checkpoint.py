@@ -25,6 +25,7 @@ def state(seed: int, moments_dtype: str = "float32"):
     return init_state(model, TrainConfig(moments_dtype=moments_dtype))
 
 
+@pytest.mark.slow
 def test_round_trip_is_exact_and_keeps_the_last_few(tmp_path):
     saved = state(1)
     checkpointer = Checkpointer(str(tmp_path / "ckpt"), keep=2)
