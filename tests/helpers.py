@@ -116,6 +116,26 @@ def grouped_matmuls() -> list:
     return params
 
 
+def gpu_backends() -> list:
+    """Each shipped backend of the list whose kernels need a GPU, as a `Backend` value: what
+    the GPU tests run over (skipped, saying why, where one does not load or there is no GPU)."""
+    params = [_param(s, lambda b: b) for s in STRATEGIES if s.shipped]
+    return [p for p in params if p.values[0] is None or p.values[0].requires_gpu]
+
+
+def gpu_grouped_matmuls() -> list:
+    """The grouped matmul of each `gpu_backends` entry, each kind once."""
+    params, kinds = [], set()
+    for param in gpu_backends():
+        backend = param.values[0]
+        if backend is None:
+            params.append(param)
+        elif type(backend.gmm) not in kinds:
+            kinds.add(type(backend.gmm))
+            params.append(pytest.param(backend.gmm, id=param.id))
+    return params
+
+
 @contextlib.contextmanager
 def jaxtyping_disabled():
     """The tests' runtime type checks off: what a user's script, without them, reaches."""

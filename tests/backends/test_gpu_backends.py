@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import gpu_backends, gpu_grouped_matmuls
 
 from dropless.backends import (
     AutoBackend,
@@ -65,24 +66,10 @@ def group_sizes(kind, rows, e, seed):
     return jnp.asarray(sizes, jnp.int32)
 
 
-def gmm_strategies():
-    out = []
-    for name in ("te", "pallas"):
-        out.append(pytest.param(name, id=name))
-    return out
-
-
-def make_gmm(name):
-    if name == "pallas":
-        return load("pallas").PallasGroupedMatmul()
-    return load("te").TEGroupedMatmul()
-
-
-@pytest.mark.parametrize("name", gmm_strategies())
+@pytest.mark.parametrize("gmm", gpu_grouped_matmuls())
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "one_expert"])
 @pytest.mark.parametrize("e", [8, 64])
-def test_grouped_matmul_equals_oracle(name, kind, e):
-    gmm = make_gmm(name)
+def test_grouped_matmul_equals_oracle(gmm, kind, e):
     rows, k, n = 2048, 256, 512
     k1, k2, k3 = jax.random.split(jax.random.key(e), 3)
     lhs = jax.random.normal(k1, (rows, k), jnp.bfloat16)
@@ -169,12 +156,11 @@ def test_te_dispatcher_equals_sort(adversarial):
     np.testing.assert_allclose(g_te, g_ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["te", "te-gmm", "pallas"])
+@pytest.mark.parametrize("backend", gpu_backends())
 def test_moe_layer_equals_oracle(backend):
-    load("pallas" if backend == "pallas" else "te")
     spec = SPECS[0]
     moe = MoE(256, 128, spec, n_shared_experts=1, key=jax.random.key(0))
-    _check_layer_against_oracle(with_backend(moe, get_backend(backend)))
+    _check_layer_against_oracle(with_backend(moe, backend))
 
 
 @pytest.mark.parametrize("fused_swiglu", [False, True])
