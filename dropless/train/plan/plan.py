@@ -12,9 +12,12 @@ its mesh axes do not divide stays whole). Activations come from `plan_activation
 backward keeps under the remat policy). FSDP: the sharded step
 (`dropless.train.step.sharded_grad.sharded_value_and_grad`) gathers each layer's fsdp-sharded
 weights inside the layer scan and reduce-scatters their gradients in the backward scan
-(`fsdp_gather="layer"`: the arrays outside the layers whole, and two layers' weights and
-gradients in flight); `fsdp_gather="step"` prices a step that would gather the whole local model
-at its start instead, to show what the per-layer gathers save (never less than "layer").
+(`fsdp_gather="layer"`: the arrays outside the layers whole, and two layers' weights in
+flight, a layer being all of its arrays at once, the matmul weights in the compute dtype they
+are gathered in; at the backward's end the gradients of the arrays outside the layers and of
+one layer, the last one reduce-scattered, are whole); `fsdp_gather="step"` prices a step that
+would gather the whole local model at its start instead, to show what the per-layer gathers
+save (never less than "layer").
 
 Communication per device and step: FSDP's all-gathers (parameters, in their dtype) and
 reduce-scatters (gradients), the all-reduces of gradients over the axes a parameter is

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from dropless import sharding
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
+from dropless.models.deepseek_v3.layers import MATMUL_WEIGHTS
 from dropless.train.config import TrainConfig
 from dropless.train.step import optim
 from dropless.train.step.step import HPARAM_FIELDS
@@ -49,9 +50,12 @@ def _local(shape, spec, sizes: dict[str, int]) -> int:
 
 
 def arrays(config: DeepSeekV3Config, train: TrainConfig, full: dict[str, int]) -> tuple[list, list]:
-    """(shape, dtype, mesh spec, trainable, stacked) of every model array, and (shape, dtype,
-    mesh spec) of every optimiser-state array: plain data, so `eqx.filter_eval_shape` of this
-    function hands it back without allocating anything."""
+    """(shape, dtype, mesh spec, trainable, stack, gathered dtype) of every model array, and
+    (shape, dtype, mesh spec) of every optimiser-state array: plain data, so
+    `eqx.filter_eval_shape` of this function hands it back without allocating anything.
+    `stack` names the layer stack that holds the array (None outside them); a stack's matmul
+    weights are gathered in the compute dtype (`layers.whole_layer`), everything else in its
+    own."""
     model = DeepSeekV3(config, key=jax.random.key(0))
     mask = optim.trainable_filter(model)
     params = eqx.filter(model, mask)
@@ -65,9 +69,11 @@ def arrays(config: DeepSeekV3Config, train: TrainConfig, full: dict[str, int]) -
 
     def note(path, a, spec, trainable):
         if eqx.is_array(a):
-            names = {getattr(k, "name", None) for k in path}
-            stacked = bool(names & set(_STACKS))
-            info.append((a.shape, a.dtype, spec, trainable, stacked))
+            names = [getattr(k, "name", None) for k in path]
+            stack = next((n for n in names if n in _STACKS), None)
+            cast = stack is not None and names[-1] in MATMUL_WEIGHTS and eqx.is_inexact_array(a)
+            gathered = config.compute_jnp_dtype if cast else a.dtype
+            info.append((a.shape, a.dtype, spec, trainable, stack, gathered))
 
     jax.tree_util.tree_map_with_path(note, model, specs, mask, is_leaf=lambda n: n is None)
     opt = optim.optimizer_state(train, params)
@@ -86,15 +92,16 @@ class ParamTerms(NamedTuple):
     grads: list[tuple]  # (dtype, bytes of the local shard) of every trainable array
     unsharded: list[tuple]  # (local elements, elements fsdp-gathered, itemsize), trainable
     whole: int  # trainable arrays outside the layer stacks, fsdp-gathered
-    per_layer: int  # the largest one layer's slice of a trainable stack, fsdp-gathered
+    per_layer: int  # one layer of the largest trainable stack, fsdp-gathered as it is gathered
     all_reduce: int  # sent by one micro-batch's all-reduces over replicated axes
     stack_copies: int  # layer stacks whose fsdp dimension is not a layer's first
 
 
 def param_terms(info: list, full: dict[str, int]) -> ParamTerms:
     stored, unsharded, grads = [], [], []
-    whole, per_layer, all_reduce, stack_copies = 0, 0, 0, 0
-    for shape, dtype, spec, trainable, stacked in info:
+    whole, all_reduce, stack_copies = 0, 0, 0
+    layer: dict[str, int] = {}  # stack -> one layer's arrays, gathered
+    for shape, dtype, spec, trainable, stack, gathered in info:
         size = jnp.dtype(dtype).itemsize
         local = _local(shape, spec, full)
         stored.append((dtype, local * size))
@@ -102,8 +109,9 @@ def param_terms(info: list, full: dict[str, int]) -> ParamTerms:
             no_fsdp = _local(shape, [e if e != "fsdp" else None for e in spec], full)
             grads.append((dtype, local * size))
             unsharded.append((local, no_fsdp, size))
-            if stacked:  # one layer's slice
-                per_layer = max(per_layer, no_fsdp * size // shape[0])
+            if stack:  # one layer's slice: a layer's arrays are gathered together
+                gathered_size = jnp.dtype(gathered).itemsize
+                layer[stack] = layer.get(stack, 0) + no_fsdp * gathered_size // shape[0]
                 if full["fsdp"] > 1 and any("fsdp" in _axes(e) for e in spec[2:]):
                     stack_copies += local * size
             else:
@@ -111,6 +119,7 @@ def param_terms(info: list, full: dict[str, int]) -> ParamTerms:
             used = {a for entry in spec for a in _axes(entry)}
             replicas = math.prod(n for a, n in full.items() if a not in used)
             all_reduce += 2 * (replicas - 1) * local * size // replicas
+    per_layer = max(layer.values(), default=0)
     return ParamTerms(stored, grads, unsharded, whole, per_layer, all_reduce, stack_copies)
 
 
@@ -141,7 +150,10 @@ def fsdp_terms(params: ParamTerms, full: dict[str, int], fsdp_gather: str) -> tu
         return 0, 0
     gathered = sum(n * b for _, n, b in params.unsharded)
     grads_extra = sum((n - s) * b for s, n, b in params.unsharded)
-    if fsdp_gather == "layer":  # two layers' weights and gradients in flight
+    if fsdp_gather == "layer":
+        # two layers' weights in flight; at the backward's end the stacks' gradients are
+        # reduce-scattered inside the backward scan but the last layer's, and those of the
+        # arrays outside the stacks are whole
         gathered = min(gathered, params.whole + 2 * params.per_layer)
-        grads_extra = min(grads_extra, params.whole + 2 * params.per_layer)
+        grads_extra = min(grads_extra, params.whole + params.per_layer)
     return gathered, grads_extra

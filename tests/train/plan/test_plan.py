@@ -44,13 +44,8 @@ def test_plan_matches_xla_memory_analysis(remat):
     assert 0.85 <= ratio <= 1.15, ratio
 
 
-_BELOW = {("fsdp=8", 2), ("fsdp=4,expert=2", 2), ("data=2,fsdp=2,expert=2", 2)}
-# The plan prices the 2-layer steps (one MoE layer, where one layer's recomputation is most of
-# the peak) below XLA's buffer assignment (plan / XLA 0.78-0.89 at jax 0.10.2; issue 52 keeps
-# it open): strict, so a planner that closes the gap turns them into failures to be unmarked.
-_UNDER = pytest.mark.xfail(strict=True, reason="plan below XLA under per-layer FSDP gathers")
 _CASES = [
-    pytest.param(mesh, layers, marks=_UNDER if (mesh, layers) in _BELOW else ())
+    (mesh, layers)
     for mesh in ("fsdp=8", "fsdp=4,expert=2", "data=2,fsdp=2,expert=2")
     for layers in (2, 4, 8)
 ]
