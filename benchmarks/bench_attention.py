@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from _timing import kernel_time, median_time, print_table, write_results
 
-from dropless.nn.mla import cudnn_attention
+from dropless.nn import cudnn_attention
 
 
 def attention(impl: str):

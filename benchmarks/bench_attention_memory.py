@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from _timing import machine, median_time, print_table, write_results
 
-from dropless.nn.mla import BlockwiseAttention, XlaAttention
+from dropless.nn import BlockwiseAttention, XlaAttention
 
 
 def compiled_step(attention, batch, seq, heads, nope, rope, dv, dtype):

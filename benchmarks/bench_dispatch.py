@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from _timing import machine, median_time, print_table, write_results
 
+from dropless import JnpTopK, Routing, RoutingSpec
 from dropless.backends import SortDispatcher
-from dropless.routing import JnpTopK, Routing, RoutingSpec
 
 
 def one_hot_masks(expert_ids, weights, n_experts: int, capacity: int):

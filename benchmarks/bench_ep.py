@@ -41,11 +41,19 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dropless import sharding  # noqa: E402
-from dropless.backends import with_backend  # noqa: E402
-from dropless.backends.ep import AllToAllDispatcher, ep_backend, pair_bound  # noqa: E402
-from dropless.moe import MoE  # noqa: E402
-from dropless.routing import RoutingSpec  # noqa: E402
+from dropless import (
+    MoE,  # noqa: E402
+    RoutingSpec,  # noqa: E402
+    sharding,  # noqa: E402
+)
+from dropless.backends import (  # noqa: E402
+    AllToAllDispatcher,
+    ep_backend,
+    with_backend,  # noqa: E402
+)
+
+# The receive buffer's per-pair bound is an internal of the private `_ep` module.
+from dropless.backends._ep import pair_bound  # noqa: E402
 
 
 def parse_args():

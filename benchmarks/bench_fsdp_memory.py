@@ -27,9 +27,7 @@ from _timing import machine, print_table, write_results
 from dropless import sharding
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
 from dropless.train import TrainConfig
-from dropless.train.step.sharded import sharded_train_step
-from dropless.train.step.sharded_state import prepare_model, shard_state
-from dropless.train.step.step import init_state
+from dropless.train.step import init_state, prepare_model, shard_state, sharded_train_step
 
 MB = 1e6
 

@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from _timing import fwd_bwd, machine, median_time, print_table, write_results
 
+# The allocator setting and the chunk size are internals, of `_allocator` and `_chunked`.
 from dropless._allocator import keep_freed_memory
-from dropless.backends.capacity import CapacityGroupedMatmul
-from dropless.backends.chunked import ChunkedGroupedMatmul, default_chunk
-from dropless.backends.ragged import RaggedDot
+from dropless.backends import CapacityGroupedMatmul, ChunkedGroupedMatmul, RaggedDot
+from dropless.backends._chunked import default_chunk
 
 TARGETS = {8: 3.0, 64: 3.0, 256: 4.0}  # jnp default time over dense, at most
 

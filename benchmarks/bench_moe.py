@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from _timing import fwd_bwd, machine, median_time, print_table, write_results
 
+from dropless import MoE, RoutingSpec, SwiGLU
 from dropless.backends import (
     BackendUnavailableError,
     CapacityGroupedMatmul,
@@ -32,10 +33,7 @@ from dropless.backends import (
     RaggedDot,
     with_backend,
 )
-from dropless.moe import MoE
-from dropless.routing import RoutingSpec
-from dropless.swiglu import SwiGLU
-from dropless.train.backend_names import get_backend
+from dropless.train import get_backend
 
 
 def gmm_strategies():
@@ -45,7 +43,8 @@ def gmm_strategies():
         "ragged_dot": RaggedDot(),
     }
     try:
-        from dropless.backends import te
+        # The kernels' loaders and paths are internals of the private backend modules.
+        from dropless.backends import _te as te
 
         te.load_te()
         out["te"] = te.TEGroupedMatmul()
@@ -53,14 +52,14 @@ def gmm_strategies():
     except BackendUnavailableError as err:
         print("TE unavailable:", err)
     try:
-        from dropless.backends import pallas
+        from dropless.backends import _pallas as pallas
 
         pallas.load_kernels()
         out["pallas"] = pallas.PallasGroupedMatmul()
     except BackendUnavailableError as err:
         print("Pallas unavailable:", err)
     try:
-        from dropless.backends import tokamax
+        from dropless.backends import _tokamax as tokamax
 
         tokamax.load_tokamax()
         out["tokamax"] = tokamax.TokamaxGroupedMatmul()

@@ -22,7 +22,9 @@ import jax
 
 from dropless.models.deepseek_v3 import get_preset
 from dropless.train import TrainConfig, train
-from dropless.train.loop import offload
+
+# The state's bytes per memory kind are an internal of the private `_offload` module.
+from dropless.train.loop import _offload as offload
 
 GIB = 2**30
 

@@ -17,8 +17,11 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
+from dropless import swiglu
 from dropless.backends import mosaic
-from dropless.swiglu import swiglu
+
+# The kernels' interpreter switch (INTERPRET) is an internal of the private `_launch` module.
+from dropless.backends.mosaic import _launch
 
 
 def measure(cases: list[str], interpret: bool = False) -> list[dict]:
@@ -79,7 +82,7 @@ def main(argv=None) -> list[dict]:
     if args.interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-        mosaic.launch.INTERPRET = InterpretGPUParams()
+        _launch.INTERPRET = InterpretGPUParams()
     rows = measure(args.cases.split(","), args.interpret)
     print_table(rows, f"gate-and-up grouped matmul with its SwiGLU, {machine()}")
     write_results(args.out, "swiglu_epilogue", rows, {"machine": machine()})

@@ -233,7 +233,8 @@ def main():
     names = args.backends.split(",")
     if any(n.startswith("te") for n in names):  # TE loads before JAX's GPU backend (cuDNN)
         try:
-            from dropless.backends import te
+            # TE's early load is an internal of the private `_te` module.
+            from dropless.backends import _te as te
 
             te.load_te()
         except BackendUnavailableError as err:

@@ -18,10 +18,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from dropless import MoE, RoutingSpec
 from dropless.backends import with_backend
-from dropless.moe import MoE
-from dropless.routing import RoutingSpec
-from dropless.train.backend_names import get_backend
+from dropless.train import get_backend
 
 
 def measure(args) -> list[dict]:

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from dropless.train.loop.metrics import read_jsonl
+from dropless.train.loop import read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

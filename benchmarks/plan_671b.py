@@ -16,7 +16,7 @@ import subprocess
 from _timing import machine, print_table, write_results
 
 from dropless.models.deepseek_v3 import get_preset
-from dropless.train.plan.plan import plan
+from dropless.train.plan import plan
 
 GB = 1e9
 ROWS = [  # (mesh, sequences per GPU, recv factor, device memory GB)

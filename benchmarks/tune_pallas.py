@@ -6,7 +6,7 @@ For each forward shape [in -> out] and each of its three kernels (fwd x @ w, dgr
 wgrad x.T @ g per group), checks every tile configuration of a grid for exactness on uneven and
 empty groups (some are not), times the exact ones on balanced groups (kernel time from Mosaic
 GPU's profiler), and prints the best beside a dense matmul of equal FLOPs timed the same way.
-Ends with the entries to paste into `dropless.backends.pallas.TUNED`. Needs a Hopper GPU.
+Ends with the entries to paste into `dropless.backends._pallas.TUNED`. Needs a Hopper GPU.
 These are JAX's kernels (`PallasGroupedMatmul`'s weight gradient where our kernel's tiles do not
 divide the widths); our own kernels take their tiles from
 `dropless.backends.mosaic` (`config_for`, `WeightGradConfig`).
@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from _timing import kernel_time, machine, print_table, write_results
 
-from dropless.backends import pallas
+# Tunes the kernels' block configs, internals of the private `_pallas` module.
+from dropless.backends import _pallas as pallas
 
 GRID = {
     "block_m": (64, 128),

@@ -7,8 +7,7 @@ are swapped with `with_backend(model, backend)`, a `Backend` value (names, as th
 line's `--backend` takes them, are resolved at the edge: `dropless.train.get_backend`).
 """
 
-from dropless.backends import AutoBackend, Backend, BackendUnavailableError, with_backend
-from dropless.balance import (
+from dropless._balance import (
     batch_balance_loss,
     coselection,
     dead_experts,
@@ -21,24 +20,30 @@ from dropless.balance import (
     tokens_per_expert,
     update_expert_bias,
 )
-from dropless.balance_loss import (
+from dropless._balance_loss import (
     BALANCE_LOSSES,
     AbstractBalanceLoss,
     BatchBalanceLoss,
     GlobalBatchBalanceLoss,
     SequenceBalanceLoss,
 )
-from dropless.bias_update import (
+from dropless._bias_update import (
     AbstractBiasUpdate,
     PIDBiasUpdate,
     PIDState,
     ProportionalBiasUpdate,
     SignBiasUpdate,
 )
-from dropless.dispatch import AbstractDispatcher, AbstractExpertParallelDispatcher, Dispatched
-from dropless.experts import AbstractGroupedMatmul, GroupedExperts
-from dropless.moe import MoE, MoEStats, routing_stats
-from dropless.routing import (
+from dropless._dispatch import (
+    AbstractDispatcher,
+    AbstractExpertParallelDispatcher,
+    AbstractRowWeightsDispatcher,
+    Dispatched,
+)
+from dropless._experts import AbstractFusedSwiGLUMatmul, AbstractGroupedMatmul, GroupedExperts
+from dropless._moe import MoE, MoEStats, routing_stats
+from dropless._precision import apply_updates, cast_for_compute, f32_einsum
+from dropless._routing import (
     AbstractTopK,
     JnpTopK,
     Routing,
@@ -46,7 +51,8 @@ from dropless.routing import (
     TopKRouter,
     replay_routing,
 )
-from dropless.swiglu import SwiGLU
+from dropless._swiglu import SwiGLU, swiglu
+from dropless.backends import AutoBackend, Backend, BackendUnavailableError, with_backend
 
 __all__ = [
     "BALANCE_LOSSES",
@@ -68,7 +74,9 @@ __all__ = [
     "router_probability",
     "AbstractDispatcher",
     "AbstractExpertParallelDispatcher",
+    "AbstractFusedSwiGLUMatmul",
     "AbstractGroupedMatmul",
+    "AbstractRowWeightsDispatcher",
     "AbstractTopK",
     "Backend",
     "BackendUnavailableError",
@@ -81,11 +89,15 @@ __all__ = [
     "RoutingSpec",
     "SwiGLU",
     "TopKRouter",
+    "apply_updates",
     "batch_balance_loss",
+    "cast_for_compute",
+    "f32_einsum",
     "max_violation",
     "router_z_loss",
     "routing_stats",
     "sequence_balance_loss",
+    "swiglu",
     "tokens_per_expert",
     "update_expert_bias",
     "with_backend",

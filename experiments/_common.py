@@ -21,7 +21,7 @@ import optax  # noqa: E402
 
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset, scan_blocks, unstack  # noqa: E402
 from dropless.train import TrainConfig  # noqa: E402
-from dropless.train.loop.data_source import fit_vocab, open_data  # noqa: E402
+from dropless.train.loop import fit_vocab, open_data  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 

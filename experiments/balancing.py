@@ -41,10 +41,10 @@ from _common import (  # noqa: E402
     write_results,
 )
 
-from dropless import balance  # noqa: E402
+from dropless import coselection, dead_experts  # noqa: E402
 from dropless.train import train  # noqa: E402
-from dropless.train.loop.data_source import open_data  # noqa: E402
-from dropless.train.step.loss import all_moe_stats  # noqa: E402
+from dropless.train.loop import open_data  # noqa: E402
+from dropless.train.step import all_moe_stats  # noqa: E402
 
 CURVES = ("ce", "max_vio", "router_entropy", "dead_experts")
 OFF = dict(
@@ -87,10 +87,10 @@ def held_out_routing(model, data, config) -> dict:
         entropy.append(float(stats.router_entropy.mean()))
         active.append(float(stats.active_experts.mean()))
         layer = jnp.where(ids[0] < n_experts, ids[0], n_experts)  # zero experts: no pair
-        c = np.asarray(balance.coselection(layer, n_experts + 1))[:n_experts, :n_experts]
+        c = np.asarray(coselection(layer, n_experts + 1))[:n_experts, :n_experts]
         cosel = c if cosel is None else cosel + c
     return dict(
-        dead=int(np.asarray(balance.dead_experts(jnp.asarray(np.stack(loads)))).sum()),
+        dead=int(np.asarray(dead_experts(jnp.asarray(np.stack(loads)))).sum()),
         entropy=float(np.mean(entropy)),
         active=float(np.mean(active)),
         coselection=cosel,

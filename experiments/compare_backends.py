@@ -28,8 +28,11 @@ from _common import (  # noqa: E402
 )
 
 import dropless  # noqa: E402
-from dropless.backends.oracle import OneHotGroupedMatmul, oracle_moe  # noqa: E402
-from dropless.backends.sort import SortDispatcher  # noqa: E402
+from dropless.backends import (  # noqa: E402
+    OneHotGroupedMatmul,
+    SortDispatcher,  # noqa: E402
+    oracle_moe,
+)
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset  # noqa: E402
 from dropless.train import SyntheticCorpus, available_backends, get_backend  # noqa: E402
 

@@ -32,7 +32,7 @@ from _common import (  # noqa: E402
     write_results,
 )
 
-from dropless.balance import tokens_per_expert  # noqa: E402
+from dropless import tokens_per_expert  # noqa: E402
 from dropless.train import SyntheticCorpus, train  # noqa: E402
 
 

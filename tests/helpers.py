@@ -1,7 +1,11 @@
 """What the property tests share (as Lineax's tests/helpers.py does): the one list of strategy
 values they run over, the test doubles and switches they need, and the comparisons with a
 reference that the Hugging Face tests share. Imported as `helpers`
-(tests/ is on the path through tests/conftest.py)."""
+(tests/ is on the path through tests/conftest.py).
+
+Tests import the public API (a package's re-exports) where a name is exported, and check private
+modules' internals (`dropless.backends._chunked.default_chunk`, kernel settings, monkeypatch
+targets) directly from the `_name` module that defines them."""
 
 import contextlib
 import dataclasses
@@ -15,6 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from dropless import AbstractGroupedMatmul
 from dropless.backends import (
     Backend,
     BackendUnavailableError,
@@ -24,10 +29,9 @@ from dropless.backends import (
     jnp_capacity_backend,
     ragged_backend,
 )
-from dropless.backends.bundles import lazy
-from dropless.backends.capacity import capacity_grouped_matmul
-from dropless.backends.chunked import default_capacity
-from dropless.experts import AbstractGroupedMatmul
+from dropless.backends._bundles import lazy
+from dropless.backends._capacity import capacity_grouped_matmul
+from dropless.backends._chunked import default_capacity
 
 
 class FlatWalk(AbstractGroupedMatmul):
@@ -69,10 +73,10 @@ STRATEGIES = [
     Strategy("jnp", jnp_backend),
     Strategy("jnp-capacity", jnp_capacity_backend),
     Strategy("ragged", ragged_backend),
-    Strategy("te", lazy("dropless.backends.te", "te_backend")),
-    Strategy("te-gmm", lazy("dropless.backends.te", "te_gmm_backend")),
-    Strategy("pallas", lazy("dropless.backends.pallas", "pallas_backend")),
-    Strategy("tokamax", lazy("dropless.backends.tokamax", "tokamax_backend")),
+    Strategy("te", lazy("dropless.backends._te", "te_backend")),
+    Strategy("te-gmm", lazy("dropless.backends._te", "te_gmm_backend")),
+    Strategy("pallas", lazy("dropless.backends._pallas", "pallas_backend")),
+    Strategy("tokamax", lazy("dropless.backends._tokamax", "tokamax_backend")),
     Strategy("chunk=16", lambda: Backend(gmm=ChunkedGroupedMatmul(chunk=16)), shipped=False),
     Strategy("chunk=64", lambda: Backend(gmm=ChunkedGroupedMatmul(chunk=64)), shipped=False),
     # most rows overflow the slots

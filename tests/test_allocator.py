@@ -25,7 +25,7 @@ FRESH_PAGES = textwrap.dedent(
     from dropless._allocator import keep_freed_memory
     applied = keep_freed_memory() if sys.argv[1] == "keep" else False
     import jax, jax.numpy as jnp
-    from dropless.backends.chunked import chunked_grouped_matmul
+    from dropless.backends._chunked import chunked_grouped_matmul
     # 8 rows an expert: the 64 MiB weight gradient is what matters, not the rows' work
     rows, experts = 1024, 128
     lhs, rhs = jnp.ones((rows, 256)), jnp.ones((experts, 256, 512))

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dropless import balance
-from dropless.routing import JnpTopK, Routing, RoutingSpec
+from dropless import JnpTopK, Routing, RoutingSpec
+from dropless import _balance as balance
 
 
 def make_routing(ids, scores):

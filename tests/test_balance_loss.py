@@ -1,4 +1,4 @@
-"""Balance losses as values (`dropless.balance_loss`): each against a direct numpy reference
+"""Balance losses as values (`dropless._balance_loss`): each against a direct numpy reference
 on a routing, the global-batch one over micro-batches equal to the batch loss of their union
 (hypothesis), and the choice made by `TrainConfig`."""
 
@@ -11,16 +11,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dropless.balance_loss import (
+from dropless import (
     BALANCE_LOSSES,
     AbstractBalanceLoss,
     BatchBalanceLoss,
     GlobalBatchBalanceLoss,
+    JnpTopK,
+    RoutingSpec,
     SequenceBalanceLoss,
+    routing_stats,
 )
-from dropless.moe import routing_stats
-from dropless.routing import JnpTopK, RoutingSpec
-from dropless.train.config import TrainConfig
+from dropless.train import TrainConfig
 
 E, K = 6, 2
 SPEC = RoutingSpec(E, K, "sigmoid")

@@ -1,4 +1,4 @@
-"""Bias-update rules (`dropless.bias_update`): their invariants, property-based, against a
+"""Bias-update rules (`dropless._bias_update`): their invariants, property-based, against a
 direct numpy reference."""
 
 import jax.numpy as jnp
@@ -7,15 +7,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dropless.balance import update_expert_bias
-from dropless.bias_update import (
-    BIAS_UPDATES,
+from dropless import (
     AbstractBiasUpdate,
     PIDBiasUpdate,
     PIDState,
     ProportionalBiasUpdate,
     SignBiasUpdate,
+    update_expert_bias,
 )
+from dropless._bias_update import BIAS_UPDATES
 
 loads = st.lists(st.integers(0, 50), min_size=2, max_size=12)
 rates = st.sampled_from([0.0, 1e-3, 0.05])

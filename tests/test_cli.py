@@ -18,18 +18,15 @@ import yaml
 
 import dropless
 import dropless.train
-from dropless import cli
-from dropless.balance_loss import GlobalBatchBalanceLoss, SequenceBalanceLoss
-from dropless.bias_update import PIDBiasUpdate
-from dropless.cli.parsing import defaults
+from dropless import GlobalBatchBalanceLoss, PIDBiasUpdate, SequenceBalanceLoss, cli
+from dropless.cli._parsing import defaults
 from dropless.data import ByteTokenizer, default_corpus_dir
 from dropless.models import PRESETS as ALL_PRESETS
 from dropless.models.deepseek_v3 import DeepSeekV3Config, get_preset
-from dropless.train import backend_names
-from dropless.train.config import TrainConfig
-from dropless.train.step.optim import learning_rate
-from dropless.train.store.checkpoint import Checkpointer
-from dropless.train.store.run_dir import load_run
+from dropless.train import TrainConfig
+from dropless.train import _backend_names as backend_names
+from dropless.train.step import learning_rate
+from dropless.train.store import Checkpointer, load_run
 
 SMALL_RUN = [
     "--steps", "6", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "2",

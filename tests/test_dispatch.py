@@ -7,11 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dropless.backends.ep import AllToAllDispatcher
-from dropless.backends.oracle import expert_of_row
-from dropless.backends.sort import SortDispatcher, permute_rows
-from dropless.dispatch import AbstractDispatcher, AbstractExpertParallelDispatcher
-from dropless.routing import JnpTopK, RoutingSpec
+from dropless import AbstractDispatcher, AbstractExpertParallelDispatcher, JnpTopK, RoutingSpec
+from dropless.backends import AllToAllDispatcher, SortDispatcher
+from dropless.backends._oracle import expert_of_row
+from dropless.backends._sort import permute_rows
 
 SHAPES = [(16, 8, 2), (33, 4, 4), (64, 16, 3)]  # tokens, experts, k
 

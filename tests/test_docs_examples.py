@@ -30,7 +30,7 @@ def test_custom_backend_equals_oracle():
 
 
 def test_conventions_lists_every_glossary_name():
-    from dropless.types import GLOSSARY
+    from dropless._types import GLOSSARY
 
     text = (EXAMPLES.parent / "conventions.md").read_text()
     missing = [name for name in GLOSSARY if f"| `{name}` |" not in text]

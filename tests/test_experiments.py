@@ -186,7 +186,7 @@ def test_tile_search_rejects_inexact_tilings(tmp_path, monkeypatch, capsys):
     sys.modules.pop("tune_pallas", None)
     import tune_pallas
 
-    from dropless.backends import pallas
+    from dropless.backends import _pallas as pallas
 
     wrong = pallas.BlockConfig(64, 128, 64, 2, 1)
 
@@ -227,7 +227,8 @@ def test_mosaic_tile_search_rejects_inexact_settings(tmp_path, monkeypatch, caps
     sys.modules.pop("tune_mosaic", None)
     import tune_mosaic
 
-    from dropless.backends import mosaic, pallas
+    from dropless.backends import _pallas as pallas
+    from dropless.backends import mosaic
 
     wrong = mosaic.KernelConfig(band=2)
 
@@ -531,9 +532,9 @@ def test_swiglu_epilogue_bench_in_the_interpreter(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
     bench = load("bench_swiglu_epilogue")
-    from dropless.backends import mosaic
+    from dropless.backends.mosaic import _launch
 
-    monkeypatch.setattr(mosaic.launch, "INTERPRET", None)  # main sets it; restored after the test
+    monkeypatch.setattr(_launch, "INTERPRET", None)  # main sets it; restored after the test
     rows = bench.main(["--interpret", "--cases", "128x64@3x40", "--out", str(tmp_path)])
     assert [r["case"] for r in rows] == ["128x64@3x40"]
     assert rows[0]["separate ms"] > 0 and rows[0]["fused ms"] > 0 and rows[0]["rel diff"] < 1e-2

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.backends.chunked import ChunkedGroupedMatmul
-from dropless.experts import AbstractGroupedMatmul, GroupedExperts, swiglu_scaled
-from dropless.swiglu import swiglu
+from dropless import AbstractGroupedMatmul, GroupedExperts, swiglu
+from dropless._experts import swiglu_scaled
+from dropless.backends import ChunkedGroupedMatmul
 
 FP32 = dict(rtol=2e-5, atol=2e-5)
 

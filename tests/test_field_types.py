@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dropless.field_types import field_type_error
+from dropless._field_types import field_type_error
 
 
 @dataclasses.dataclass

@@ -8,7 +8,9 @@ dependencies only: TE, tokamax, torch, transformers):
 
 `sharding` (the mesh, the spec table, placement, `ShardedMoE`) is a layer of its own; `train/` is
 in wings (step, plan, store, loop) that import one way, in that order, above its config edge
-(`TrainConfig`, and the backends by name: the core takes `Backend` values only).
+(`TrainConfig`, and the backends by name: the core takes `Backend` values only). A `_name`
+module (the implementation behind its package's re-exports) is in its package's layer: names are
+read without their leading underscore.
 
 Read from the source with `ast`, so a violation is found without importing anything."""
 
@@ -49,9 +51,9 @@ def layer(module: str) -> int:
     """The layer of a dropless module: its room (`train.step`, `sharding`, ...) or else its
     first part under `dropless` names it; the rest (routing, dispatch, experts, moe, backends,
     ...) are the core."""
-    parts = module.split(".")
+    parts = [p if p.startswith("__") else p.removeprefix("_") for p in module.split(".")]
     first = parts[1] if len(parts) > 1 else ""
-    if first in ("cli", "__main__") or first.startswith("_cli"):
+    if first in ("cli", "__main__"):
         return LAYERS["cli"]
     two = ".".join(parts[1:3])
     if two in ROOMS:
@@ -113,7 +115,7 @@ def violations() -> list[tuple[str, str, str]]:
             if layer(module) > layer(importer):
                 out.append((importer, module, f"{where}: upward import"))
             backends_moe = importer.startswith("dropless.backends") and module in (
-                "dropless.moe",
+                "dropless._moe",
                 "dropless.sharding",
             )
             if backends_moe:
@@ -124,26 +126,27 @@ def violations() -> list[tuple[str, str, str]]:
 
 
 def test_the_layers_are_known():
-    assert layer("dropless") == layer("dropless.moe") == layer("dropless.backends.sort") == 0
-    assert layer("dropless.swiglu") == 0
-    assert layer("dropless.nn.mla") == 1
-    assert layer("dropless.models.deepseek_v3.block") == layer("dropless.data.datasets") == 2
+    assert layer("dropless") == layer("dropless._moe") == layer("dropless.backends._sort") == 0
+    assert layer("dropless._swiglu") == 0
+    assert layer("dropless.nn._mla") == 1
+    assert layer("dropless.models.deepseek_v3._block") == layer("dropless.data._datasets") == 2
     upward = [
-        "dropless.sharding.mesh",
-        "dropless.train.config",
-        "dropless.train.step.sharded",
-        "dropless.train.plan.plan",
-        "dropless.train.store.checkpoint",
-        "dropless.train.loop.loop",
+        "dropless.sharding._mesh",
+        "dropless.train._config",
+        "dropless.train.step._sharded",
+        "dropless.train.plan._plan",
+        "dropless.train.store._checkpoint",
+        "dropless.train.loop._loop",
         "dropless.train",
         "dropless.cli",
     ]
     layers = [layer(m) for m in upward]
     assert layers == sorted(set(layers))
-    assert layer("dropless.sharding") == layer("dropless.sharding.expert_parallel")
-    assert layer("dropless.train.step.step") == layer("dropless.train.step.sharded")
-    assert layer("dropless.train.backend_names") == layer("dropless.train.config")
-    assert layer("dropless.cli") == layer("dropless.__main__")
+    assert layer("dropless.sharding") == layer("dropless.sharding._expert_parallel")
+    assert layer("dropless.train.step._step") == layer("dropless.train.step._sharded")
+    assert layer("dropless.train._backend_names") == layer("dropless.train._config")
+    assert layer("dropless.cli") == layer("dropless.__main__") == layer("dropless.cli._run")
+    assert layer("dropless._allocator") == layer("dropless.backends.mosaic._launch") == 0
 
 
 def test_imports_point_down_and_sit_at_the_top():
@@ -159,7 +162,9 @@ def test_allowed_offenders_still_exist(entry):
 
 
 def test_the_checker_finds_what_it_looks_for():
-    source = "from dropless.train.loop import loop\n\n\ndef f():\n    import dropless.moe\n"
-    found = imports(PACKAGE / "moe.py", source)
-    assert ("dropless.train.loop.loop", False, 1) in found
-    assert ("dropless.moe", True, 5) in found
+    source = "from dropless.train.loop import _loop\n\n\ndef f():\n    import dropless._moe\n"
+    importer = PACKAGE / "backends" / "_chunked.py"
+    found = imports(importer, source)
+    assert ("dropless.train.loop._loop", False, 1) in found
+    assert ("dropless._moe", True, 5) in found
+    assert layer("dropless.train.loop._loop") > layer(module_name(importer))

@@ -13,21 +13,20 @@ from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
 
 import dropless
+from dropless import AbstractDispatcher, JnpTopK, MoE, RoutingSpec
+from dropless._moe import computing_part
 from dropless.backends import (
     Backend,
     BackendUnavailableError,
+    ChunkedGroupedMatmul,
+    SortDispatcher,
     jnp_backend,
+    oracle_moe,
     ragged_backend,
     with_backend,
 )
-from dropless.backends import auto as auto_backend
-from dropless.backends.chunked import ChunkedGroupedMatmul
-from dropless.backends.oracle import oracle_moe
-from dropless.backends.sort import SortDispatcher
-from dropless.dispatch import AbstractDispatcher
-from dropless.moe import MoE, computing_part
-from dropless.routing import JnpTopK, RoutingSpec
-from dropless.train.backend_names import get_backend, resolve_backend_name
+from dropless.backends import _auto as auto_backend
+from dropless.train import get_backend, resolve_backend_name
 
 FP32 = dict(rtol=1e-4, atol=1e-5)
 # (spec, shared experts): a handful of layer shapes, so each compiles once per run.

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.precision import apply_updates, cast_for_compute, f32_einsum
+from dropless import apply_updates, cast_for_compute, f32_einsum
 
 SPECS = {
     "bsd,dv->bsv": ((2, 5, 16), (16, 40)),  # the LM head

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dropless.routing import JnpTopK, RoutingSpec, TopKRouter, _top_k, replay_routing
+from dropless import JnpTopK, RoutingSpec, TopKRouter, replay_routing
+from dropless._routing import _top_k
 
 # (experts, k, n_group, topk_group): a small set so jit compiles stay few.
 SHAPES = [(8, 2, 1, 1), (16, 4, 4, 2), (16, 3, 2, 1), (32, 8, 8, 4), (6, 6, 1, 1), (12, 2, 6, 3)]

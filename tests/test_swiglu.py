@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.swiglu import SwiGLU, gate_up, swiglu, swiglu_grad_in_blocks
+from dropless import SwiGLU, swiglu
+from dropless._swiglu import gate_up, swiglu_grad_in_blocks
 
 FP32 = dict(rtol=2e-5, atol=2e-5)
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 import dropless
-from dropless.backends.oracle import oracle_moe
+from dropless.backends import oracle_moe
 
 
 class ArgsortPlan(eqx.Module):

@@ -15,11 +15,11 @@
 
 Precedence, lowest first: the preset, a YAML `--config` (sections `preset`, `backend`, `model`,
 `train`: the `config.yaml` every run writes; `--resume` reads the run's own), the flags, `--set`.
-Every command is an options dataclass (`options.TrainCommand`, `plan.PlanCommand`, ...) parsed
-by tyro through one helper (`parsing.parse_command`), its help written from the fields' docs
-(`help`). Modules: `options`, `config_file` (YAML and `--set`), `help`, `parsing`, `run`;
-`commands` dispatches the other subcommands (`presets`, `plan`, `evaluate`, `generate`, and
-`dropless.data.cli` for prepare) and writes `dropless --help`.
+Every command is an options dataclass (`_options.TrainCommand`, `_plan.PlanCommand`, ...)
+parsed by tyro through one helper (`_parsing.parse_command`), its help written from the fields'
+docs (`_help`). Modules: `_options`, `_config_file` (YAML and `--set`), `_help`, `_parsing`,
+`_run`; `_commands` dispatches the other subcommands (`presets`, `plan`, `evaluate`, `generate`, and
+`dropless.data._cli` for prepare) and writes `dropless --help`.
 """
 
 import sys
@@ -28,13 +28,13 @@ from collections.abc import Sequence
 
 from dropless._allocator import keep_freed_memory
 from dropless.backends import BackendUnavailableError
-from dropless.cli.commands import TRAIN, run_command
-from dropless.cli.config_file import apply_overrides, load_yaml_config
-from dropless.cli.launch import run_local
-from dropless.cli.options import MODEL_HELP, ModelOptions, PresetsCommand, TrainCommand
-from dropless.cli.parsing import parse, vocab_given
-from dropless.cli.run import run_name, run_train
-from dropless.train.loop.distributed import initialize_from_env
+from dropless.cli._commands import TRAIN, run_command
+from dropless.cli._config_file import apply_overrides, load_yaml_config
+from dropless.cli._launch import run_local
+from dropless.cli._options import MODEL_HELP, ModelOptions, PresetsCommand, TrainCommand
+from dropless.cli._parsing import parse, vocab_given
+from dropless.cli._run import run_name, run_train
+from dropless.train.loop._distributed import initialize_from_env
 
 __all__ = [
     "MODEL_HELP",

@@ -6,11 +6,11 @@ meta = prepare(["notes/", "more.jsonl"], "data/notes", tokenizer="bpe", vocab_si
 tok = load_tokenizer("data/notes")
 """
 
-from dropless.data.cli import main
-from dropless.data.corpus import default_corpus_dir
-from dropless.data.prepare import prepare, prepare_documents
-from dropless.data.sources import FOLDER_EXTENSIONS, Document
-from dropless.data.tokenizer import (
+from dropless.data._cli import main
+from dropless.data._corpus import default_corpus_dir
+from dropless.data._prepare import prepare, prepare_documents
+from dropless.data._sources import FOLDER_EXTENSIONS, Document
+from dropless.data._tokenizer import (
     AbstractTokenizer,
     ByteTokenizer,
     HFTokenizer,

@@ -2,7 +2,7 @@
 
 import sys
 
-from dropless.data.cli import main
+from dropless.data._cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,19 +7,19 @@ state) and `expert` (data parallelism whose devices also split the routed expert
 parallelism, innermost so that the all-to-all stays on the fastest links). Tokens are split over
 all three. Nothing in here is global: the caller builds the mesh and hands it to these functions.
 
-`mesh` (the axes and the table), `specs` (parameters, optimizer state and batches on the mesh,
-the fsdp all-gather), `expert_parallel` (checks, `ShardedMoE`). The train step on a mesh is
-`dropless.train.step.sharded`.
+`_mesh` (the axes and the table), `_specs` (parameters, optimizer state and batches on the mesh,
+the fsdp all-gather), `_expert_parallel` (checks, `ShardedMoE`). The train step on a mesh is
+`dropless.train.step.sharded_train_step`.
 """
 
-from dropless.sharding.expert_parallel import (
+from dropless.sharding._expert_parallel import (
     ShardedMoE,
     check_expert_parallel,
     dispatchers,
     reduce_moe_stats,
     shard_moe,
 )
-from dropless.sharding.mesh import (
+from dropless.sharding._mesh import (
     AXIS_RULES,
     MESH_AXES,
     axes_size,
@@ -30,7 +30,7 @@ from dropless.sharding.mesh import (
     mesh_from_spec,
     parse_mesh,
 )
-from dropless.sharding.specs import (
+from dropless.sharding._specs import (
     FSDP_MIN_SIZE,
     fsdp_specs,
     gather_fsdp,

@@ -7,30 +7,30 @@ results = train(get_preset("tiny"), TrainConfig(steps=200), out_dir="runs/tiny")
 run = load_run("runs/tiny")          # its configs, model and tokenizer, back from the checkpoint
 """
 
-from dropless.data.datasets import (
+from dropless.data._datasets import (
     AbstractDataset,
     Batch,
     SyntheticCorpus,
     TokenFile,
     token_file_splits,
 )
-from dropless.train.backend_names import (
+from dropless.train._backend_names import (
     BACKENDS,
     available_backends,
     get_backend,
     register_backend,
     resolve_backend_name,
 )
-from dropless.train.config import TrainConfig
-from dropless.train.loop.callbacks import Callback, EvalLines, ProgressBar, TensorBoard
-from dropless.train.loop.finish import TrainResults
-from dropless.train.loop.loop import TrainingDiverged, TrainingPreempted, evaluate, train
-from dropless.train.loop.metrics import MetricsWriter, read_jsonl
-from dropless.train.loop.run_eval import evaluate_run
-from dropless.train.loop.setup import config_dict, make_datasets
-from dropless.train.step.cross_entropy import head_cross_entropy  # not the module's namesake
-from dropless.train.step.loss import loss_terms, total_loss
-from dropless.train.step.optim import (
+from dropless.train._config import TrainConfig
+from dropless.train.loop._callbacks import Callback, EvalLines, ProgressBar, TensorBoard
+from dropless.train.loop._finish import TrainResults
+from dropless.train.loop._loop import TrainingDiverged, TrainingPreempted, evaluate, train
+from dropless.train.loop._metrics import MetricsWriter, read_jsonl
+from dropless.train.loop._run_eval import evaluate_run
+from dropless.train.loop._setup import config_dict, make_datasets
+from dropless.train.step._cross_entropy import head_cross_entropy  # not the module's namesake
+from dropless.train.step._loss import loss_terms, total_loss
+from dropless.train.step._optim import (
     expert_bias_filter,
     learning_rate,
     optimizer,
@@ -38,10 +38,10 @@ from dropless.train.step.optim import (
     warmup_cosine,
     weight_decay_mask,
 )
-from dropless.train.step.step import TrainState, eval_step, init_state, train_step
-from dropless.train.store.checkpoint import Checkpointer, CheckpointError, open_for_resume
-from dropless.train.store.compile_cache import enable_compile_cache
-from dropless.train.store.run_dir import LoadedRun, load_run
+from dropless.train.step._step import TrainState, eval_step, init_state, train_step
+from dropless.train.store._checkpoint import Checkpointer, CheckpointError, open_for_resume
+from dropless.train.store._compile_cache import enable_compile_cache
+from dropless.train.store._run_dir import LoadedRun, load_run
 
 __all__ = [
     "BACKENDS",

@@ -13,21 +13,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dropless import sharding
-from dropless.backends import ep_exchange, with_backend
-from dropless.backends.ep import (
-    AllToAllDispatcher,
+from dropless import AbstractExpertParallelDispatcher, MoE, RoutingSpec, sharding
+from dropless.backends import AllToAllDispatcher, ep_backend, with_backend
+from dropless.backends import _ep_exchange as ep_exchange
+from dropless.backends._ep import (
     buffer_rows,
     check_ep_settings,
-    ep_backend,
     pair_bound,
     ragged_bound,
     resolve_exchange,
 )
-from dropless.dispatch import AbstractExpertParallelDispatcher
-from dropless.moe import MoE
-from dropless.routing import RoutingSpec
-from dropless.train.backend_names import get_backend
+from dropless.train import get_backend
 
 pytestmark = pytest.mark.mesh8  # meshes over the 8 devices (tests/conftest.py)
 

@@ -14,18 +14,18 @@ import numpy as np
 import pytest
 from helpers import gpu_backends, gpu_grouped_matmuls
 
+from dropless import JnpTopK, MoE, RoutingSpec
 from dropless.backends import (
     AutoBackend,
     Backend,
     BackendUnavailableError,
+    OneHotGroupedMatmul,
+    SortDispatcher,
     jnp_capacity_backend,
+    oracle_moe,
     with_backend,
 )
-from dropless.backends.oracle import OneHotGroupedMatmul, oracle_moe
-from dropless.backends.sort import SortDispatcher
-from dropless.moe import MoE
-from dropless.routing import JnpTopK, RoutingSpec
-from dropless.train.backend_names import get_backend
+from dropless.train import get_backend
 
 pytestmark = pytest.mark.gpu
 BF16 = 1e-2
@@ -39,11 +39,11 @@ def rel_err(a, b):
 def load(what):
     try:
         if what == "te":
-            from dropless.backends import te
+            from dropless.backends import _te as te
 
             te.load_te()
             return te
-        from dropless.backends import pallas
+        from dropless.backends import _pallas as pallas
 
         pallas.load_kernels()
         return pallas
@@ -167,7 +167,7 @@ def test_moe_layer_equals_oracle(backend):
 def test_pallas_moe_layer_with_weights_before_down_equals_oracle(fused_swiglu):
     """`MoE(weights_before_down=True)` on our kernels, with and without the fused SwiGLU (which
     scales in its epilogue)."""
-    from dropless.backends.pallas import PallasGroupedMatmul
+    from dropless.backends import PallasGroupedMatmul
 
     load("pallas")
     moe = MoE(
@@ -180,7 +180,7 @@ def test_pallas_moe_layer_with_weights_before_down_equals_oracle(fused_swiglu):
 @pytest.mark.parametrize("dims", [(256, 128), (192, 96)], ids=["tileable", "untileable"])
 def test_auto_on_hopper_is_pallas_and_matches_the_oracle(dims):
     """'auto' on a Hopper GPU: our kernels, and jnp-capacity for widths they cannot tile."""
-    from dropless.backends.backend import is_hopper
+    from dropless.backends._backend import is_hopper
 
     if not is_hopper():
         pytest.skip("not a Hopper GPU")
@@ -206,7 +206,7 @@ def _check_layer_against_oracle(moe):
 
 
 def _tiled_shapes():
-    from dropless.backends import pallas
+    from dropless.backends import _pallas as pallas
 
     widths = {(1024, 512), (512, 1024), (7168, 2048), (2048, 7168), (256, 512)}
     return sorted(
@@ -404,8 +404,7 @@ def test_segmented_weight_grad_is_exact(layout, segment_steps):
 def _stage_mix(name):
     """The bundle of a backend's name, or one TE stage inside jnp-capacity's bundle (to find
     which stage of an all-TE bundle goes wrong): "te-dispatch" or "te-topk"."""
-    from dropless.backends import Backend
-    from dropless.backends.capacity import CapacityGroupedMatmul
+    from dropless.backends import Backend, CapacityGroupedMatmul
 
     module = load("pallas" if name == "pallas" else "te")
     if name == "te-dispatch":
@@ -439,8 +438,8 @@ def _proxy(layers=3):
 
 def _model_gradients(model, tokens):
     from dropless.train import TrainConfig
-    from dropless.train.step.loss import loss_terms, total_loss
-    from dropless.train.step.step import hparams
+    from dropless.train.step import loss_terms, total_loss
+    from dropless.train.step._step import hparams
 
     weights = hparams(TrainConfig())
 

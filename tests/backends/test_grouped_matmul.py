@@ -8,9 +8,8 @@ from helpers import FlatWalk, grouped_matmuls
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dropless.backends.capacity import CapacityGroupedMatmul
-from dropless.backends.chunked import ChunkedGroupedMatmul, default_chunk
-from dropless.backends.oracle import OneHotGroupedMatmul
+from dropless.backends import CapacityGroupedMatmul, ChunkedGroupedMatmul, OneHotGroupedMatmul
+from dropless.backends._chunked import default_chunk
 
 ROWS, IN, OUT = 96, 24, 20
 FP32 = dict(rtol=2e-5, atol=2e-5)

@@ -5,17 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.backends import capacity, sort
-from dropless.backends.capacity import CapacityGroupedMatmul
-from dropless.backends.chunked import (
-    ChunkedGroupedMatmul,
+from dropless.backends import CapacityGroupedMatmul, ChunkedGroupedMatmul, OneHotGroupedMatmul
+from dropless.backends import _capacity as capacity
+from dropless.backends import _sort as sort
+from dropless.backends._chunked import (
     _chunked_weight_grad,
     add_row_chunks,
     chunked_grouped_matmul,
     group_tails,
 )
-from dropless.backends.oracle import OneHotGroupedMatmul
-from dropless.backends.sort import _sort_by_expert, combine_rows, expand_rows, sum_copies
+from dropless.backends._sort import _sort_by_expert, combine_rows, expand_rows, sum_copies
 
 FP32 = dict(rtol=2e-5, atol=2e-5)
 

@@ -8,7 +8,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from dropless.backends import mosaic, pallas
+from dropless.backends import _pallas as pallas
+from dropless.backends import mosaic
+from dropless.backends.mosaic import _launch, _weight_grad
 
 
 @st.composite
@@ -76,7 +78,7 @@ def _interpret(monkeypatch):
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     except ImportError as err:
         pytest.skip(f"this jaxlib has no Mosaic GPU interpreter: {err}")
-    monkeypatch.setattr(mosaic.launch, "INTERPRET", InterpretGPUParams())
+    monkeypatch.setattr(_launch, "INTERPRET", InterpretGPUParams())
 
 
 @pytest.mark.parametrize(
@@ -247,9 +249,9 @@ def test_small_experts_take_the_segmented_weight_gradient(
         launched.append(("runs", first_groups.shape[0] - 1))
         return out
 
-    monkeypatch.setattr(mosaic.weight_grad, "_launch_segmented_weight_grad", in_runs)
+    monkeypatch.setattr(_weight_grad, "_launch_segmented_weight_grad", in_runs)
     monkeypatch.setattr(
-        mosaic.weight_grad,
+        _weight_grad,
         "_launch_weight_grad",
         lambda *_: launched.append(("per expert", None)) or out,
     )

@@ -15,12 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless import sharding
-from dropless.backends import BackendUnavailableError, nccl_ep, with_backend
-from dropless.backends.nccl_ep import NcclEPDispatcher, recv_capacity
-from dropless.dispatch import AbstractExpertParallelDispatcher
-from dropless.moe import MoE
-from dropless.routing import RoutingSpec
+from dropless import AbstractExpertParallelDispatcher, MoE, RoutingSpec, sharding
+from dropless.backends import BackendUnavailableError, NcclEPDispatcher, with_backend
+from dropless.backends import _nccl_ep as nccl_ep
+from dropless.backends._nccl_ep import recv_capacity
 
 
 def te_capacity(*, num_experts, num_experts_per_tok, max_tokens_per_rank, ep_size, factor):

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from dropless.backends import pallas
+from dropless.backends import _pallas as pallas
 
 
 def test_untuned_shape_gets_the_default_tiles():
@@ -184,7 +184,7 @@ def test_widths_the_kernels_cannot_tile_go_to_the_fallback(monkeypatch):
     import jax.numpy as jnp
     import numpy as np
 
-    from dropless.backends.capacity import CapacityGroupedMatmul
+    from dropless.backends import CapacityGroupedMatmul
 
     def no_kernels(*_):
         raise AssertionError("the kernels were asked for")
@@ -210,10 +210,9 @@ def test_widths_the_kernels_cannot_tile_go_to_the_fallback(monkeypatch):
 def test_auto_picks_pallas_with_a_fallback_on_hopper(monkeypatch):
     """'auto' on a Hopper GPU is our kernels with jnp-capacity for untileable widths; where the
     kernels do not load it warns and falls back to te-gmm (here missing) and jnp-capacity."""
-    from dropless.backends import BackendUnavailableError
-    from dropless.backends import auto as backends
-    from dropless.backends.capacity import CapacityGroupedMatmul
-    from dropless.train.backend_names import get_backend
+    from dropless.backends import BackendUnavailableError, CapacityGroupedMatmul
+    from dropless.backends import _auto as backends
+    from dropless.train import get_backend
 
     def te_missing():
         raise BackendUnavailableError("needs `pip install 'transformer-engine[jax]'`")
@@ -246,7 +245,7 @@ def test_pallas_on_a_gpu_before_hopper_is_unavailable(monkeypatch):
     import jax
 
     from dropless.backends import BackendUnavailableError
-    from dropless.train.backend_names import get_backend
+    from dropless.train import get_backend
 
     class Ampere:
         platform, device_kind, compute_capability = "gpu", "NVIDIA A100-SXM4-80GB", "8.0"

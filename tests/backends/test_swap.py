@@ -4,6 +4,7 @@ import jax
 import pytest
 from jaxtyping import TypeCheckError
 
+from dropless import AbstractRowWeightsDispatcher, AbstractTopK, JnpTopK, MoE, RoutingSpec
 from dropless.backends import (
     AutoBackend,
     Backend,
@@ -13,10 +14,7 @@ from dropless.backends import (
     jnp_backend,
     with_backend,
 )
-from dropless.backends.backend import has_gpu
-from dropless.dispatch import AbstractRowWeightsDispatcher
-from dropless.moe import MoE
-from dropless.routing import AbstractTopK, JnpTopK, RoutingSpec
+from dropless.backends._backend import has_gpu
 from tests.helpers import jaxtyping_disabled
 
 

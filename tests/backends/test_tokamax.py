@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 from jaxtyping import TypeCheckError
 
-from dropless.backends import BackendUnavailableError
-from dropless.backends.oracle import OneHotGroupedMatmul
-from dropless.backends.tokamax import TokamaxGroupedMatmul, load_tokamax
+from dropless.backends import BackendUnavailableError, OneHotGroupedMatmul, TokamaxGroupedMatmul
+from dropless.backends._tokamax import load_tokamax
 
 try:
     load_tokamax()

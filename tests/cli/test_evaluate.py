@@ -4,7 +4,7 @@ they were not recorded, and the command succeeds."""
 import errno
 import types
 
-from dropless.cli import evaluate
+from dropless.cli import _evaluate as evaluate
 
 RESULT = {"data": "d", "step": 4, "batches": 1, "batch_size": 2, "seq_len": 8, "tokens": 16,
           "bytes": None, "ce": 1.0, "perplexity": 2.718, "bits_per_byte": None,

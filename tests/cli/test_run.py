@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from dropless.cli.parsing import parse
-from dropless.cli.run import disk_line, run_train, what_is_saved
-from dropless.train.loop import data_source
-from dropless.train.store import lock as run_lock
+from dropless.cli import parse
+from dropless.cli._run import disk_line, run_train, what_is_saved
+from dropless.train.loop import _data_source as data_source
+from dropless.train.store import _lock as run_lock
 
 
 def test_no_resume_advice_without_a_checkpoint(tmp_path):

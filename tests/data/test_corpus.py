@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dropless.data import ByteTokenizer, default_corpus_dir, load_tokenizer
-from dropless.data.corpus import corpus_texts
+from dropless.data._corpus import corpus_texts
 
 
 def test_corpus_texts_capped():

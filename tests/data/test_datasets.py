@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dropless.data.datasets import SyntheticCorpus, TokenFile, token_file_splits
+from dropless.data._datasets import SyntheticCorpus, TokenFile, token_file_splits
 
 
 def corpus(**kwargs) -> SyntheticCorpus:

@@ -9,9 +9,9 @@ import pytest
 import tokenizers
 
 from dropless.data import ByteTokenizer, HFTokenizer, load_tokenizer, prepare
-from dropless.data.datasets import TokenFile
-from dropless.data.prepare import clean_leftovers
-from dropless.data.tokenizer import EOS
+from dropless.data._datasets import TokenFile
+from dropless.data._prepare import clean_leftovers
+from dropless.data._tokenizer import EOS
 
 PROSE = "Le cœur a ses raisons que la raison ne connaît point. 😀 <|endoftext|> as text\n"
 
@@ -272,7 +272,7 @@ def test_a_full_disk_is_one_line_with_the_space_needed(tmp_path, monkeypatch):
     def full(*args, **kwargs):
         raise OSError("1028882 requested and 1012088 written")
 
-    monkeypatch.setattr(sys.modules["dropless.data.prepare"], "write_bins", full)
+    monkeypatch.setattr(sys.modules["dropless.data._prepare"], "write_bins", full)
     with pytest.raises(OSError, match=r"no space left on the device of .* free, about .* needed"):
         prepare([tmp_path / "a.txt"], tmp_path / "data", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]

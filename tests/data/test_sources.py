@@ -3,7 +3,7 @@ import io
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dropless.data.sources import _pieces, cut_texts
+from dropless.data._sources import _pieces, cut_texts
 
 texts = st.text(st.sampled_from("ab \n€😀é"), max_size=200)
 

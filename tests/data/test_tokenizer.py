@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dropless.data import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype, train_bpe
-from dropless.data.tokenizer import BOS, EOS
+from dropless.data._tokenizer import BOS, EOS
 
 TEXTS = [
     "def f(x):\n    return x + 1\n",

@@ -6,11 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.models.deepseek_v3.block import DecoderBlock
-from dropless.moe import MoE
-from dropless.nn.mla import MLA
-from dropless.routing import RoutingSpec
-from dropless.swiglu import SwiGLU
+from dropless import MoE, RoutingSpec, SwiGLU
+from dropless.models.deepseek_v3._block import DecoderBlock
+from dropless.nn import MLA
 
 DIM, BATCH, SEQ = 16, 2, 6
 

@@ -8,9 +8,9 @@ import pytest
 
 from dropless.models import get_preset as get_any_preset
 from dropless.models.deepseek_v3 import DeepSeekV3Config, get_preset
-from dropless.models.deepseek_v3.config import DROPLESS_FIELDS, REMAT_POLICIES
-from dropless.models.deepseek_v3.config_rules import validate
-from dropless.models.deepseek_v3.layers import REMAT
+from dropless.models.deepseek_v3._config import DROPLESS_FIELDS, REMAT_POLICIES
+from dropless.models.deepseek_v3._config_rules import validate
+from dropless.models.deepseek_v3._layers import REMAT
 
 POSITIVE = [
     "vocab_size",

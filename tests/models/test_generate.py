@@ -12,13 +12,19 @@ import numpy as np
 import pytest
 
 from dropless.models import get_preset as get_any_preset
-from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
-from dropless.models.deepseek_v3.decode import decode_step, prefill
-from dropless.models.deepseek_v3.generate import generate, length_bucket, sample
-from dropless.models.deepseek_v3.kv_cache import init_cache
+from dropless.models.deepseek_v3 import (
+    DeepSeekV3,
+    decode_step,
+    generate,
+    get_preset,
+    init_cache,
+    prefill,
+    sample,
+)
+from dropless.models.deepseek_v3._generate import length_bucket
 
 # the module (the package re-exports its function `generate` under the same name)
-gen = importlib.import_module("dropless.models.deepseek_v3.generate")
+gen = importlib.import_module("dropless.models.deepseek_v3._generate")
 
 BATCH, SEQ, PREFIX = 2, 20, 7
 

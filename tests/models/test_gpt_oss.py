@@ -17,9 +17,8 @@ from test_hf_family import assert_matches_reference  # the families' parity chec
 
 from dropless import with_backend
 from dropless.models import get_preset
-from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
+from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, count_params
 from dropless.models.deepseek_v3.hf import from_pretrained, save_pretrained
-from dropless.models.deepseek_v3.params import count_params
 from dropless.train import weight_decay_mask
 
 RTOL = 1e-4  # float32, max |ours - reference| / max |reference|

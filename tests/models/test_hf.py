@@ -33,7 +33,7 @@ from dropless.models.deepseek_v3.hf import (
     iter_checkpoint,
     save_pretrained,
 )
-from dropless.models.deepseek_v3.hf.names import LAYER, check_coverage, tensor_table
+from dropless.models.deepseek_v3.hf._names import LAYER, check_coverage, tensor_table
 
 RTOL = 1e-4  # float32 logits, max |ours - reference| / max |reference|
 BATCH, SEQ = 2, 40  # SEQ > the YaRN cases' original context (32)
@@ -844,7 +844,7 @@ def test_an_index_naming_a_file_outside_its_folder_is_refused(saved, tmp_path, n
 
 def test_a_file_that_is_no_safetensors_file_is_not_quoted(tmp_path):
     (tmp_path / "secret.bin").write_bytes(b"hunter2!" + b"x" * 8)
-    from dropless.models.deepseek_v3.hf.files import SafetensorsFile
+    from dropless.models.deepseek_v3.hf._files import SafetensorsFile
 
     with pytest.raises(CheckpointError) as info:
         SafetensorsFile(tmp_path / "secret.bin")

@@ -14,7 +14,7 @@ import pytest
 from helpers import next_token_loss, read_safetensors, rel_err
 
 from dropless.models.deepseek_v3 import DeepSeekV3Config, to_hf
-from dropless.models.deepseek_v3.config import FAMILIES
+from dropless.models.deepseek_v3._config import FAMILIES
 from dropless.models.deepseek_v3.hf import from_pretrained, save_pretrained
 
 RTOL = 1e-4  # float32, max |ours - reference| / max |reference|

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.models.deepseek_v3 import DeepSeekV3, get_preset, layers
+from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
+from dropless.models.deepseek_v3 import _layers as layers
 
 
 def _bf16_model(**changes):

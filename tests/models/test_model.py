@@ -15,11 +15,13 @@ from dropless.models.deepseek_v3 import (
     DeepSeekV3,
     check_tokens,
     get_preset,
-    layers,
     mtp_targets,
     recorded_routing,
     unstack,
     with_updated_expert_bias,
+)
+from dropless.models.deepseek_v3 import (
+    _layers as layers,
 )
 
 BATCH, SEQ = 2, 12

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jax._src.ad_checkpoint import saved_residuals
 
-from dropless.nn.blockwise_attention import blockwise_attention
+from dropless.nn import blockwise_attention
 
 
 def plain_attention(q, k, v, scale, qs, ks, causal, window):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.nn.mla import MLA, BlockwiseAttention, CudnnAttention, XlaAttention, cudnn_attention
+from dropless.nn import MLA, BlockwiseAttention, CudnnAttention, XlaAttention, cudnn_attention
 
 DIM, HEADS, NOPE, ROPE, V, KV_RANK = 32, 3, 8, 6, 10, 12
 YARN = {
@@ -151,7 +151,7 @@ def test_cudnn_path_assembles_heads_like_xla(monkeypatch):
     """The cuDNN path's q and k (rope written into q's own columns, the shared rope key
     broadcast per head), checked on any machine with cuDNN's call replaced by plain attention:
     output and gradients equal the XLA path's."""
-    monkeypatch.setattr("dropless.nn.mla.cudnn_attention", _causal_attention)
+    monkeypatch.setattr("dropless.nn._mla.cudnn_attention", _causal_attention)
     mla = make_mla(16, rope_scaling=YARN)
     fused = make_mla(16, rope_scaling=YARN, attention=CudnnAttention())
     x = jax.random.normal(jax.random.key(4), (2, 16, DIM))

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless.nn.rmsnorm import RMSNorm
+from dropless.nn import RMSNorm
 
 
 def test_matches_formula():

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.nn.rope import RotaryEmbedding, rope_frequencies, softmax_scale, yarn_get_mscale
+from dropless.nn import RotaryEmbedding, rope_frequencies, softmax_scale, yarn_get_mscale
 
 V3_YARN = {
     "type": "yarn",

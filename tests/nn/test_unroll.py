@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dropless.nn.unroll import split_layers, unrolled_scan
+from dropless.nn import split_layers, unrolled_scan
 
 
 def test_split_layers_indexes_every_leaf():

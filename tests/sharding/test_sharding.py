@@ -11,11 +11,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dropless import sharding
-from dropless.backends import with_backend
-from dropless.backends.ep import ep_backend
-from dropless.moe import MoE
-from dropless.routing import RoutingSpec
+from dropless import MoE, RoutingSpec, sharding
+from dropless.backends import ep_backend, with_backend
 
 pytestmark = pytest.mark.mesh8  # meshes over the 8 devices (tests/conftest.py)
 
@@ -222,7 +219,7 @@ def test_sharded_moe_with_fsdp_matches_single_device():
 
 
 def test_dispatchers_must_exchange_over_the_expert_axis():
-    from dropless.backends.ep import AllToAllDispatcher
+    from dropless.backends import AllToAllDispatcher
 
     mesh = sharding.make_mesh(data=2, expert=4)
     moe = with_backend(make_moe(), ep_backend())

@@ -6,6 +6,7 @@ import pytest
 from helpers import STRATEGIES, backends
 
 import dropless
+from dropless import MoE, RoutingSpec
 from dropless.backends import (
     AutoBackend,
     Backend,
@@ -15,18 +16,16 @@ from dropless.backends import (
     jnp_backend,
     with_backend,
 )
-from dropless.backends.backend import has_gpu
-from dropless.backends.bundles import lazy
-from dropless.moe import MoE
-from dropless.routing import RoutingSpec
-from dropless.train import backend_names
-from dropless.train.backend_names import (
+from dropless.backends._backend import has_gpu
+from dropless.backends._bundles import lazy
+from dropless.train import (
     BACKENDS,
     available_backends,
     get_backend,
     register_backend,
     resolve_backend_name,
 )
+from dropless.train import _backend_names as backend_names
 
 
 @pytest.fixture

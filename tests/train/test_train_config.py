@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from dropless.train.config import TrainConfig
+from dropless.train import TrainConfig
 
 
 def validate(**values) -> None:

@@ -21,23 +21,23 @@ Rows after the last group are computed with the last expert's weights: finite fo
 as the grouped-matmul contract asks. The weight gradient ignores them, which is exact because
 callers ignore those rows (their output gradient is zero).
 
-Modules: `schedule` (the forward's settings and tile schedule), `forward` (the forward and
-input-gradient kernel, and its fused SwiGLU epilogue), `gate_up` (the fused kernel's weight
-layout), `weight_grad_schedule` (the weight gradient's settings and runs of experts),
-`weight_grad` (the weight-gradient kernel), `launch` (the frame they share; tests run the
-kernels through Mosaic GPU's interpreter by setting `launch.INTERPRET`).
+Modules: `_schedule` (the forward's settings and tile schedule), `_forward` (the forward and
+input-gradient kernel, and its fused SwiGLU epilogue), `_gate_up` (the fused kernel's weight
+layout), `_weight_grad_schedule` (the weight gradient's settings and runs of experts),
+`_weight_grad` (the weight-gradient kernel), `_launch` (the frame they share; tests run the
+kernels through Mosaic GPU's interpreter by setting `_launch.INTERPRET`).
 """
 
-from dropless.backends.mosaic.forward import grouped_matmul, grouped_matmul_swiglu
-from dropless.backends.mosaic.gate_up import (
+from dropless.backends.mosaic._forward import grouped_matmul, grouped_matmul_swiglu
+from dropless.backends.mosaic._gate_up import (
     interleave_gate_up,
     split_gate_up,
     swiglu_grad_interleaved,
 )
-from dropless.backends.mosaic.launch import ROW_ALIGN
-from dropless.backends.mosaic.schedule import KernelConfig, config_for, matmul_fits, tile_schedule
-from dropless.backends.mosaic.weight_grad import grouped_weight_grad
-from dropless.backends.mosaic.weight_grad_schedule import (
+from dropless.backends.mosaic._launch import ROW_ALIGN
+from dropless.backends.mosaic._schedule import KernelConfig, config_for, matmul_fits, tile_schedule
+from dropless.backends.mosaic._weight_grad import grouped_weight_grad
+from dropless.backends.mosaic._weight_grad_schedule import (
     WeightGradConfig,
     expert_segments,
     weight_grad_config_for,

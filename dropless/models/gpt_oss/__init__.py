@@ -3,6 +3,6 @@ attention sink per head, sliding-window and full layers alternating), a router w
 experts with biases and the clamped SwiGLU, and YaRN; its config.json mapping (`GPT_OSS`);
 presets in `.presets` (the family's sizes, listed in `dropless.models.PRESETS`)."""
 
-from dropless.models.gpt_oss.config import GPT_OSS
+from dropless.models.gpt_oss._config import GPT_OSS
 
 __all__ = ["GPT_OSS"]

@@ -2,6 +2,6 @@
 top-k softmax routing; its config.json mapping (`MIXTRAL`); presets in `.presets` (the family's
 sizes, listed in `dropless.models.PRESETS`)."""
 
-from dropless.models.mixtral.config import MIXTRAL
+from dropless.models.mixtral._config import MIXTRAL
 
 __all__ = ["MIXTRAL"]

@@ -2,6 +2,6 @@
 and softmax top-k routing; its config.json mapping (`OLMOE`); presets in `.presets` (the family's
 sizes, listed in `dropless.models.PRESETS`)."""
 
-from dropless.models.olmoe.config import OLMOE
+from dropless.models.olmoe._config import OLMOE
 
 __all__ = ["OLMOE"]

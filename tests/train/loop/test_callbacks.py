@@ -6,7 +6,7 @@ import time
 import jax
 import pytest
 
-from dropless.train.loop import callbacks
+from dropless.train.loop import _callbacks as callbacks
 
 
 def test_tensorboard_without_tensorboardx_warns_and_continues(tmp_path, monkeypatch):

@@ -9,12 +9,13 @@ import pytest
 import yaml
 
 from dropless.data import prepare
-from dropless.data.datasets import SyntheticCorpus, TokenFile
-from dropless.data.verify import DataChanged, verify_prepared
+from dropless.data._datasets import SyntheticCorpus, TokenFile
+from dropless.data._verify import DataChanged, verify_prepared
 from dropless.models.deepseek_v3 import get_preset
 from dropless.train import TrainConfig, train
-from dropless.train.loop.data_source import check_vocab, fit_vocab, open_data
-from dropless.train.loop.run_eval import prepared_eval_split
+from dropless.train.loop import fit_vocab, open_data
+from dropless.train.loop._data_source import check_vocab
+from dropless.train.loop._run_eval import prepared_eval_split
 
 TINY = get_preset("tiny")
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n"

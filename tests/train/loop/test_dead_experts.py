@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dropless.balance import dead_experts
+from dropless import dead_experts
 from dropless.models.deepseek_v3 import get_preset
-from dropless.train.loop import setup
-from dropless.train.loop.dead_experts import META_KEY, DeadExperts
-from dropless.train.loop.finish import finish
-from dropless.train.loop.loop import run_steps
+from dropless.train.loop import _setup as setup
+from dropless.train.loop._dead_experts import META_KEY, DeadExperts
+from dropless.train.loop._finish import finish
+from dropless.train.loop._loop import run_steps
 
 loads = st.lists(
     st.lists(st.sampled_from([0, 0, 1, 5]), min_size=6, max_size=6), min_size=1, max_size=12

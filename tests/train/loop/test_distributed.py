@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from dropless import cli, sharding
-from dropless.cli.launch import child_args
-from dropless.data.datasets import SyntheticCorpus, TokenFile
-from dropless.train.loop import distributed
+from dropless.cli._launch import child_args
+from dropless.data._datasets import SyntheticCorpus, TokenFile
+from dropless.train.loop import _distributed as distributed
 
 
 @pytest.mark.mesh8

@@ -36,8 +36,10 @@ from dropless.train import (
     read_jsonl,
     train,
 )
-from dropless.train.loop import data_source, setup
-from dropless.train.store.lock import RunDirectoryLocked, RunLock
+from dropless.train.loop import _data_source as data_source
+from dropless.train.loop import _setup as setup
+from dropless.train.store import RunDirectoryLocked
+from dropless.train.store._lock import RunLock
 
 # Two layers (a dense and an MoE layer) and the MTP block: what the loop does is the same with
 # four, and their steps take half the time.
@@ -387,7 +389,7 @@ def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(tmp_pat
         [
             sys.executable,
             "-c",
-            "import sys; from dropless.train.store.lock import RunLock; "
+            "import sys; from dropless.train.store._lock import RunLock; "
             f"RunLock({str(tmp_path)!r}); print('held', flush=True); sys.stdin.read()",
         ],
         stdin=subprocess.PIPE,

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from dropless.train.loop import metrics
+from dropless.train.loop import _metrics as metrics
 
 
 def test_writer_keeps_records_up_to_the_resumed_step(tmp_path):

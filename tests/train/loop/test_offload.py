@@ -9,7 +9,7 @@ import pytest
 
 from dropless.models.deepseek_v3 import get_preset
 from dropless.train import train
-from dropless.train.loop import offload
+from dropless.train.loop import _offload as offload
 
 # One dense and one MoE layer, no MTP block: which layers there are matters not to where the
 # moments live, and the compiles take about 40% less time.

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from dropless.train.loop import plots
+from dropless.train.loop import _plots as plots
 
 
 def _is_png(path) -> bool:

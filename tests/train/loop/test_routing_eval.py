@@ -8,12 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.models.deepseek_v3 import DeepSeekV3, get_preset, recorded_routing
-from dropless.models.deepseek_v3.routing_file import load_routing, save_routing
-from dropless.train.config import TrainConfig
-from dropless.train.loop.routing_eval import evaluate_replay, record_routing
-from dropless.train.step.cross_entropy import cross_entropy
-from dropless.train.store.run_dir import LoadedRun
+from dropless.models.deepseek_v3 import (
+    DeepSeekV3,
+    get_preset,
+    load_routing,
+    recorded_routing,
+    save_routing,
+)
+from dropless.train import TrainConfig
+from dropless.train.loop._routing_eval import evaluate_replay, record_routing
+from dropless.train.step import cross_entropy
+from dropless.train.store import LoadedRun
 
 ROWS, WINDOW = 4, 13
 

@@ -8,8 +8,8 @@ import pytest
 
 from dropless.models.deepseek_v3 import get_preset
 from dropless.train import TrainConfig
-from dropless.train.loop.throughput import Throughput, device_peak, meter, mfu, peak_flops, summary
-from dropless.train.plan.plan import flops_per_token
+from dropless.train.loop._throughput import Throughput, device_peak, meter, mfu, peak_flops, summary
+from dropless.train.plan import flops_per_token
 
 
 def test_mfu_is_model_flops_over_time_over_peak():

@@ -13,12 +13,18 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dropless import cli
-from dropless.experts import GroupedExperts
+from dropless import GroupedExperts, cli
 from dropless.models.deepseek_v3 import DeepSeekV3, count_params, get_preset
 from dropless.train import TrainConfig, init_state, train_step
-from dropless.train.plan.compile import compiled_memory, cuda_plugin_version, target_config
-from dropless.train.plan.plan import flops_per_token, format_plan, parse_bytes, plan, train_config
+from dropless.train.plan import (
+    compiled_memory,
+    flops_per_token,
+    format_plan,
+    parse_bytes,
+    plan,
+    train_config,
+)
+from dropless.train.plan._compile import cuda_plugin_version, target_config
 
 BATCH, SEQ = 16, 64  # TrainConfig's defaults: activations several times the state in tiny
 
@@ -73,8 +79,8 @@ def test_plan_within_10_percent_of_the_compiled_sharded_step(mesh, layers):
 _COMPILE_FOR_GPUS = """
 import json
 from dropless.models.deepseek_v3 import get_preset
-from dropless.train.plan.plan import plan, train_config
-from dropless.train.plan.compile import GPU_COMPILER_OPTIONS, compiled_memory, gpu_devices
+from dropless.train.plan import compiled_memory, plan, train_config
+from dropless.train.plan._compile import GPU_COMPILER_OPTIONS, gpu_devices
 config = get_preset("tiny", remat="full")
 m = compiled_memory(config, train_config(16, 64), "fsdp=8", gpu_devices("H200", 8),
                     GPU_COMPILER_OPTIONS)
@@ -109,7 +115,7 @@ def test_compiles_for_8_gpus_without_one():
 
 _DESCRIBE_GPUS = """
 import json
-from dropless.train.plan.compile import GPUS, gpu_devices
+from dropless.train.plan._compile import GPUS, gpu_devices
 print(json.dumps({gpu: gpu_devices(gpu, 8)[0].device_kind for gpu in GPUS}))
 """
 
@@ -131,7 +137,7 @@ def test_every_gpu_spec_describes_its_gpu():
 
 
 def test_compile_without_the_plugin_is_one_line(capsys, monkeypatch):
-    monkeypatch.setattr("dropless.train.plan.compile.cuda_plugin_version", lambda: None)
+    monkeypatch.setattr("dropless.train.plan._compile.cuda_plugin_version", lambda: None)
     args = ["--preset", "tiny", "--batch-size", "16", "--seq-len", "64", "--mesh", "fsdp=8"]
     assert main([*args, "--compile", "H200"]) == 2
     err = capsys.readouterr().err

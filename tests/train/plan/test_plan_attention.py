@@ -1,11 +1,11 @@
-"""The plan of sliding-window and sink configs (`dropless.train.plan.attention`): attention
+"""The plan of sliding-window and sink configs (`dropless.train.plan._attention`): attention
 FLOPs of windowed layers by their window, their "xla" activations a full layer's (the window
 masks full scores), and gpt-oss-20b's parameters, sinks included, counted by hand."""
 
 from dropless.models import get_preset
 from dropless.models.deepseek_v3 import count_params
-from dropless.train.plan.attention import keys_per_query, traced_without_cudnn
-from dropless.train.plan.plan import flops_per_token, plan
+from dropless.train.plan import flops_per_token, plan, traced_without_cudnn
+from dropless.train.plan._attention import keys_per_query
 
 BATCH, SEQ = 2, 512
 FULL, SLIDING = "full_attention", "sliding_attention"

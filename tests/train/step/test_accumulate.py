@@ -1,4 +1,4 @@
-"""Gradient accumulation (`dropless.train.step.accumulate`): a step in micro-batches is the step in
+"""Gradient accumulation (`dropless.train.step._accumulate`): a step in micro-batches is the step in
 one pass: the same gradients, losses and expert loads."""
 
 import dataclasses
@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.data.datasets import SyntheticCorpus
+from dropless.data._datasets import SyntheticCorpus
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
-from dropless.train.config import TrainConfig
-from dropless.train.step import optim
-from dropless.train.step.accumulate import accumulated, micro_batch_slices
-from dropless.train.step.loss import loss_terms, total_loss
-from dropless.train.step.step import eval_step, hparams, init_state, train_step
+from dropless.train import TrainConfig
+from dropless.train.step import _optim as optim
+from dropless.train.step import eval_step, init_state, loss_terms, total_loss, train_step
+from dropless.train.step._accumulate import accumulated, micro_batch_slices
+from dropless.train.step._step import hparams
 
 MODEL = get_preset("tiny", num_hidden_layers=2)  # a dense layer, an MoE layer, an MTP block
 
@@ -73,7 +73,7 @@ def test_accumulated_gradients_equal_the_one_pass_gradients(one_pass, micro_batc
 
 @pytest.mark.slow
 def test_train_step_in_micro_batches_matches_one_pass(monkeypatch):
-    from dropless.train.step import step as step_module
+    from dropless.train.step import _step as step_module
 
     passes = []
 

@@ -7,11 +7,11 @@ import numpy as np
 import optax
 import pytest
 
-from dropless.train.step.cross_entropy import (
+from dropless.train.step import cross_entropy
+from dropless.train.step._cross_entropy import (
     _combine,
     _logsumexp_one_pass,
     _logsumexp_two_passes,
-    cross_entropy,
     token_cross_entropy,
 )
 
@@ -173,8 +173,8 @@ def test_head_cross_entropy_equals_the_loss_on_the_whole_logits(masked, chunk):
     """The chunked head + loss equals cross_entropy over the logits the model's head makes,
     in value and in the gradients of the hidden states and the weight, whether the chunk
     divides the positions (2 x 14) or not, and with a mask."""
-    from dropless.precision import f32_einsum
-    from dropless.train.step.cross_entropy import head_cross_entropy
+    from dropless import f32_einsum
+    from dropless.train.step import head_cross_entropy
 
     keys = jax.random.split(jax.random.key(5), 4)
     hidden = jax.random.normal(keys[0], (2, 14, 8))
@@ -203,8 +203,8 @@ def test_head_cross_entropy_in_bfloat16_and_bad_arguments():
     """bf16 hidden states and weight (the training case): float32 logits as the model's head
     makes them, the gradients in bf16 and within bf16 rounding of the whole-logits loss's;
     mixed dtypes and a chunk that is not a positive int are refused by name."""
-    from dropless.precision import f32_einsum
-    from dropless.train.step.cross_entropy import head_cross_entropy
+    from dropless import f32_einsum
+    from dropless.train.step import head_cross_entropy
 
     keys = jax.random.split(jax.random.key(6), 3)
     hidden = jax.random.normal(keys[0], (3, 10, 16)).astype(jnp.bfloat16)
@@ -230,7 +230,7 @@ def test_head_cross_entropy_with_bfloat16_logits():
     that the model's head then writes, to the logits' rounding (XLA may keep a bf16 value
     that it fuses in float32: its excess-precision rule), gradients in bf16 and within bf16
     rounding."""
-    from dropless.train.step.cross_entropy import head_cross_entropy
+    from dropless.train.step import head_cross_entropy
 
     keys = jax.random.split(jax.random.key(9), 3)
     hidden = jax.random.normal(keys[0], (2, 9, 16)).astype(jnp.bfloat16)
@@ -269,7 +269,7 @@ def test_the_package_does_not_hide_the_module():
     submodule's place as the package's attribute (`import ... as` would give the function)."""
     import inspect
 
-    import dropless.train.step.cross_entropy as module
+    import dropless.train.step._cross_entropy as module
 
     assert inspect.ismodule(module)
     assert callable(module.cross_entropy)

@@ -12,8 +12,9 @@ import pytest
 from jaxtyping import TypeCheckError
 
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
-from dropless.train.config import MAX_BF16_BETA, TrainConfig
-from dropless.train.step import optim
+from dropless.train import TrainConfig
+from dropless.train._config import MAX_BF16_BETA
+from dropless.train.step import _optim as optim
 
 
 def reference_lr(t: int, lr: float, warmup: int, steps: int, ratio: float) -> float:

@@ -1,6 +1,6 @@
-"""The train step on a mesh (`dropless.train.step.sharded`) against the unsharded one: its gradient,
-`sharded_value_and_grad`, under an optimizer on an MoE layer and on the tiny DeepSeek-V3 (every
-kind of mesh axis at once), and `sharded_train_step` itself against `train_step` (8 emulated
+"""The train step on a mesh (`dropless.train.step._sharded`) against the unsharded one: its
+gradient, `sharded_value_and_grad`, under an optimizer on an MoE layer and on the tiny DeepSeek-V3
+(every kind of mesh axis at once), and `sharded_train_step` itself against `train_step` (8 emulated
 CPU devices, from tests/conftest.py). The whole loop on a mesh: tests/train/loop/test_mesh.py."""
 
 import os
@@ -14,20 +14,20 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dropless import sharding
-from dropless.backends import jnp_capacity_backend, with_backend
-from dropless.backends.ep import ep_backend
+from dropless import MoE, RoutingSpec, apply_updates, sharding
+from dropless.backends import ep_backend, jnp_capacity_backend, with_backend
 from dropless.models import get_preset as get_any_preset
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
-from dropless.moe import MoE
-from dropless.precision import apply_updates
-from dropless.routing import RoutingSpec
-from dropless.train.config import TrainConfig
-from dropless.train.step import sharded_state
-from dropless.train.step.sharded import sharded_train_step
-from dropless.train.step.sharded_grad import sharded_value_and_grad
-from dropless.train.step.sharded_state import prepare_model, shard_state
-from dropless.train.step.step import init_state, train_step
+from dropless.train import TrainConfig
+from dropless.train.step import _sharded_state as sharded_state
+from dropless.train.step import (
+    init_state,
+    prepare_model,
+    shard_state,
+    sharded_train_step,
+    sharded_value_and_grad,
+    train_step,
+)
 
 pytestmark = pytest.mark.mesh8  # meshes over the 8 devices (tests/conftest.py)
 
@@ -91,7 +91,7 @@ def test_sharded_gradient_step_equals_unsharded():
     optimizer = optax.sgd(0.1, momentum=0.9)
     moe = make_moe()
 
-    def no_bias(model):  # a tree of bools, like dropless.train.step.optim.trainable_filter's
+    def no_bias(model):  # a tree of bools, like dropless.train.step.trainable_filter's
         keep = jax.tree.map(eqx.is_inexact_array, model)
         return eqx.tree_at(lambda m: m.router.expert_bias, keep, False)
 

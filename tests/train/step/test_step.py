@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.balance import update_expert_bias
-from dropless.bias_update import PIDBiasUpdate, ProportionalBiasUpdate, SignBiasUpdate
-from dropless.data.datasets import SyntheticCorpus
+from dropless import PIDBiasUpdate, ProportionalBiasUpdate, SignBiasUpdate, update_expert_bias
+from dropless.data._datasets import SyntheticCorpus
 from dropless.models.deepseek_v3 import DeepSeekV3, ModelFeatures, ModelOutput, get_preset
-from dropless.train.config import TrainConfig
-from dropless.train.step.loss import batch_loads, loss_terms, total_loss
-from dropless.train.step.step import hparams, init_state, train_step
+from dropless.train import TrainConfig
+from dropless.train.step import init_state, loss_terms, total_loss, train_step
+from dropless.train.step._loss import batch_loads
+from dropless.train.step._step import hparams
 
 BATCH, SEQ = 8, 32
 

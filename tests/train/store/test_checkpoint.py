@@ -10,14 +10,10 @@ import numpy as np
 import pytest
 
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
-from dropless.train.config import TrainConfig
-from dropless.train.step.step import init_state
-from dropless.train.store.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    CorruptCheckpoint,
-    open_for_resume,
-)
+from dropless.train import TrainConfig
+from dropless.train.step import init_state
+from dropless.train.store import Checkpointer, CheckpointError, open_for_resume
+from dropless.train.store._checkpoint import CorruptCheckpoint
 
 
 def state(seed: int, moments_dtype: str = "float32"):

@@ -9,12 +9,12 @@ import jax
 import pytest
 
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
-from dropless.train.config import TrainConfig
-from dropless.train.loop.setup import config_dict
-from dropless.train.step.step import init_state
-from dropless.train.store.checkpoint import Checkpointer
-from dropless.train.store.data_identity import DataMismatch
-from dropless.train.store.resume import restore_intact
+from dropless.train import TrainConfig
+from dropless.train.loop import config_dict
+from dropless.train.step import init_state
+from dropless.train.store import Checkpointer
+from dropless.train.store._data_identity import DataMismatch
+from dropless.train.store._resume import restore_intact
 
 MODEL = get_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
 BYTES = {"source": "prepared", "path": "/data/a", "meta_sha256": "m1", "dtype": "uint16",

@@ -20,12 +20,12 @@ import yaml
 from dropless.data import ByteTokenizer, prepare
 from dropless.models.deepseek_v3 import DeepSeekV3, get_preset
 from dropless.train import CheckpointError, TrainConfig, evaluate_run, load_run, train
-from dropless.train.loop import setup
-from dropless.train.loop.data_source import open_data
-from dropless.train.loop.run_eval import append_metrics, prepared_eval_split
-from dropless.train.step.step import init_state
-from dropless.train.store.checkpoint import Checkpointer
-from dropless.train.store.data_identity import DataMismatch
+from dropless.train.loop import _setup as setup
+from dropless.train.loop import open_data
+from dropless.train.loop._run_eval import append_metrics, prepared_eval_split
+from dropless.train.step import init_state
+from dropless.train.store import Checkpointer
+from dropless.train.store._data_identity import DataMismatch
 
 # A dense and an MoE layer, no MTP block: what a run directory holds is the same for any model,
 # and the compiles are shorter.

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from test_run_dir import saved_run  # a run written without training
 
-from dropless.cli import verify
-from dropless.train.loop.verify_run import verify_run
+from dropless.cli import _verify as verify
+from dropless.train.loop import verify_run
 
 orbax_failed_restore = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
