@@ -81,12 +81,16 @@ def whole_layer(layer_arrays: PyTree, dtype) -> PyTree:
     return jax.checkpoint(cast_then_gather, policy=policy)(layer_arrays)
 
 
+def is_matmul_weight(path, leaf) -> bool:
+    """Whether `leaf`, at `path` in a layer's tree, is one of its floating-point
+    `MATMUL_WEIGHTS`: the arrays cast to the compute dtype before use (and gathered in it)."""
+    name = path[-1].name if path and isinstance(path[-1], jax.tree_util.GetAttrKey) else None
+    return name in MATMUL_WEIGHTS and eqx.is_inexact_array(leaf)
+
+
 def _cast_matmul_weights(arrays: PyTree, dtype) -> PyTree:
     def cast(path, leaf):
-        name = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None
-        if name in MATMUL_WEIGHTS and eqx.is_inexact_array(leaf):
-            return leaf.astype(dtype)
-        return leaf
+        return leaf.astype(dtype) if is_matmul_weight(path, leaf) else leaf
 
     return jax.tree_util.tree_map_with_path(cast, arrays)
 
@@ -256,8 +260,7 @@ def matmul_weights_cast(arrays: eqx.Module, dtype=None) -> eqx.Module:
     are."""
 
     def cast(path, leaf):
-        name = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None
-        if name in MATMUL_WEIGHTS and eqx.is_inexact_array(leaf):
+        if is_matmul_weight(path, leaf):
             return cast_for_compute(leaf, leaf.dtype if dtype is None else dtype)
         return leaf
 

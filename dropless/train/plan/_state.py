@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from dropless import sharding
 from dropless.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
-from dropless.models.deepseek_v3._layers import MATMUL_WEIGHTS
+from dropless.models.deepseek_v3._layers import is_matmul_weight
 from dropless.train._config import TrainConfig
 from dropless.train.step import _optim as optim
 from dropless.train.step._step import HPARAM_FIELDS
@@ -71,7 +71,7 @@ def arrays(config: DeepSeekV3Config, train: TrainConfig, full: dict[str, int]) -
         if eqx.is_array(a):
             names = [getattr(k, "name", None) for k in path]
             stack = next((n for n in names if n in _STACKS), None)
-            cast = stack is not None and names[-1] in MATMUL_WEIGHTS and eqx.is_inexact_array(a)
+            cast = stack is not None and is_matmul_weight(path, a)
             gathered = config.compute_jnp_dtype if cast else a.dtype
             info.append((a.shape, a.dtype, spec, trainable, stack, gathered))
 
