@@ -3,6 +3,7 @@ that nothing was lost, duplicated or changed.
 
     python benchmarks/fault_injection.py                  # 20 kills (the default)
     python benchmarks/fault_injection.py --kills 100 --seed 1
+    python benchmarks/fault_injection.py --kills 2 -- --no-sample   # and a train option
 
 A reference run trains the tiny preset uninterrupted. Then rounds: each starts a fresh run
 directory and kills its process again and again, at a random moment (half of the kills at a
@@ -24,18 +25,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 from dropless.train.loop import read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def train_args(steps: int, checkpoint_every: int) -> list[str]:
+def train_args(steps: int, checkpoint_every: int, more: Sequence[str] = ()) -> list[str]:
     return [
         sys.executable, "-m", "dropless", "train",
         "--steps", str(steps), "--batch-size", "4", "--seq-len", "16", "--warmup-steps", "2",
         "--eval-every", "10", "--eval-batches", "1", "--checkpoint-every", str(checkpoint_every),
-        "--backend", "jnp", "--no-progress", "--no-plots",
+        "--backend", "jnp", "--no-progress", "--no-plots", *more,
     ]  # fmt: skip
 
 
@@ -132,12 +134,16 @@ def main(argv=None) -> dict:
         "--out", default=os.path.join(REPO, "benchmarks/results/fault_injection_cpu.json")
     )
     parser.add_argument("--workdir", default=None, help="default: a temporary directory")
+    parser.add_argument(
+        "train_options", nargs=argparse.REMAINDER, help="after --: more `dropless train` options"
+    )
     opts = parser.parse_args(argv)
+    more = opts.train_options[1:] if opts.train_options[:1] == ["--"] else opts.train_options
     rng = random.Random(opts.seed)
     work = opts.workdir or tempfile.mkdtemp(prefix="dropless-faults-")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO,
            "JAX_COMPILATION_CACHE_DIR": os.path.join(work, "jax-cache")}  # fmt: skip
-    args = train_args(opts.steps, opts.checkpoint_every)
+    args = train_args(opts.steps, opts.checkpoint_every, more)
     log = open(os.path.join(work, "log.txt"), "ab")  # noqa: SIM115
 
     began = time.time()

@@ -1,6 +1,7 @@
 """The `dropless` command: an end-to-end smoke run, option parsing, help, and clear errors.
 
-The smoke run trains the tiny preset at batch 8 x 32 tokens, the shapes of tests/train.
+The smoke run trains the tiny preset (two of its layers, no MTP module) at batch 8 x 32
+tokens, the shapes of tests/train.
 """
 
 import ast
@@ -9,6 +10,7 @@ import inspect
 import json
 import math
 import re
+import shutil
 import textwrap
 
 import jax
@@ -36,6 +38,7 @@ SMALL_RUN = [
 # Where the preset's architecture is not what a test checks: two layers and no MTP module,
 # which compile in half the time.
 SMALLER = ["--model.num-hidden-layers", "2", "--model.num-nextn-predict-layers", "0"]
+SMALLER_FIELDS = dict(num_hidden_layers=2, num_nextn_predict_layers=0)
 
 
 def _is_png(path) -> bool:
@@ -46,7 +49,7 @@ def _is_png(path) -> bool:
 @pytest.mark.slow
 def test_train_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
-    assert cli.main(["train", *SMALL_RUN, "--out-dir", str(out)]) == 0
+    assert cli.main(["train", *SMALL_RUN, *SMALLER, "--out-dir", str(out)]) == 0
     printed = capsys.readouterr().out
     for name in ("metrics.jsonl", "checkpoints", "loss.png", "expert_load.png"):
         assert str(out / name) in printed
@@ -76,7 +79,7 @@ def test_train_end_to_end(tmp_path, capsys):
     # the written config reproduces the run's settings, and a run from it is named after it
     command = cli.parse(["train", "--config", str(out / "config.yaml")])
     model, train_config = command.configs()
-    assert model == get_preset("tiny") and train_config.steps == 6
+    assert model == get_preset("tiny", **SMALLER_FIELDS) and train_config.steps == 6
     assert command.backend == "jnp"
     assert cli.run_name(command, resume=False) == "run"
     summary = json.loads((out / "summary.json").read_text())
@@ -161,11 +164,21 @@ def test_the_vocabulary_comes_from_the_data_unless_given(tmp_path, capsys):
     assert not out.exists()
 
 
-@pytest.mark.slow
-def test_resume_continues_the_run_with_its_own_config(tmp_path, capsys):
-    out = tmp_path / "small-run"
+@pytest.fixture(scope="module")
+def three_step_run(tmp_path_factory):
+    """A finished run of three steps, for the resume tests to continue (each a copy): a model
+    narrower than the preset's, an lr and a seed other than the defaults."""
+    out = tmp_path_factory.mktemp("resume") / "run"
     narrow = ["--model.n-routed-experts", "8", "--model.num-experts-per-tok", "2", *SMALLER]
-    assert cli.main(["train", *SMALL_RUN, "--steps", "3", *narrow, "--out-dir", str(out)]) == 0
+    first = [*SMALL_RUN, "--steps", "3", "--lr", "1e-3", "--seed", "3", *narrow]
+    assert cli.main(["train", *first, "--out-dir", str(out)]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_resume_continues_the_run_with_its_own_config(three_step_run, tmp_path, capsys):
+    out = tmp_path / "small-run"
+    shutil.copytree(three_step_run, out)
     capsys.readouterr()
     # the README's form: no model or training options, only more steps
     resumed = ["train", "--out-dir", str(out), "--resume", "--steps", "4", "--no-progress"]
@@ -499,15 +512,17 @@ def test_presets_lists_sizes(capsys):
 
 
 @pytest.mark.slow
-def test_resume_without_config_yaml_uses_the_checkpoint_and_notes_changes(tmp_path, capsys):
+def test_resume_without_config_yaml_uses_the_checkpoint_and_notes_changes(
+    three_step_run, tmp_path, capsys
+):
     out = tmp_path / "run"
-    first = [*SMALL_RUN, "--steps", "3", "--lr", "1e-3", "--seed", "3", "--out-dir", str(out)]
-    assert cli.main(["train", *first]) == 0
+    shutil.copytree(three_step_run, out)
     (out / "config.yaml").unlink()
     capsys.readouterr()
     resumed = ["train", "--out-dir", str(out), "--resume", "--steps", "4", "--no-progress"]
-    _, train_config = cli.parse(resumed).configs()
+    model, train_config = cli.parse(resumed).configs()
     assert (train_config.lr, train_config.seed, train_config.warmup_steps) == (1e-3, 3, 2)
+    assert (model.n_routed_experts, model.num_experts_per_tok) == (8, 2)
     assert cli.main([*resumed, "--no-compile-cache", "--lr", "2e-3"]) == 0
     err = capsys.readouterr().err
     assert "dropless: note: resuming with settings that differ from the checkpoint's: " in err

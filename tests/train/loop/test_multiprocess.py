@@ -1,6 +1,7 @@
 """Several JAX processes on one machine (`dropless train --local-processes 2`, gloo CPU
-collectives): the losses of the one-process run, a checkpoint written by two processes resumed
-by one, and a killed process ending the run with a clear message.
+collectives): a SIGTERM stopping both at one saved step, the resumed run's losses those of the
+one-process run, a checkpoint written by two processes resumed by one, and a killed process
+ending the run with a clear message.
 
 The children get 4 emulated CPU devices each (this process has 8): the mesh data=2,expert=4
 spans both, so the expert all-to-all and the gradient reductions cross processes. Every
@@ -8,8 +9,10 @@ subprocess runs under a timeout. A two-layer tiny model (a dense and an MoE laye
 at batch 8 x 32 keeps compiles short.
 """
 
+import dataclasses
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -84,25 +87,75 @@ def _finish(process: subprocess.Popen, timeout: float = TIMEOUT_S) -> tuple[int,
     return process.returncode, out + err
 
 
+@dataclasses.dataclass
+class StoppedAndResumed:
+    """The module's two-process run: SIGTERMed once training runs, then resumed by two
+    processes to the end. What the stop left (the launcher's exit status and output, the steps
+    logged, process 1's log, the saved checkpoints) is kept for the test that reads it."""
+
+    out: pathlib.Path
+    stop_code: int
+    stop_output: str
+    stop_logged: list[int]
+    stop_process_1_log: str
+    stop_checkpoints: list[str]
+
+
+def _wait_for_a_step(process: subprocess.Popen, out, poll_s: float) -> None:
+    """Waits until training runs: process 0 has written a step's record."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").stat().st_size:
+        assert process.poll() is None, process.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, "the run did not start"
+        time.sleep(poll_s)
+
+
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory):
+def two_process_run(tmp_path_factory) -> StoppedAndResumed:
+    """A preemption notice: SIGTERM to the launcher once training runs; then `--resume` with
+    two processes to the end of the run."""
     out = tmp_path_factory.mktemp("two") / "run"
-    code, output = _finish(_launch(out, start_new_session=True))
-    assert code == 0, output[-4000:]
-    return out
+    process = _launch(out, start_new_session=True)
+    try:
+        _wait_for_a_step(process, out, poll_s=0.2)
+        process.send_signal(signal.SIGTERM)
+        code, output = _finish(process, timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    checkpoints = out / "checkpoints"
+    stopped = StoppedAndResumed(
+        out=out,
+        stop_code=code,
+        stop_output=output,
+        stop_logged=[
+            r["step"] for r in read_jsonl(str(out / "metrics.jsonl")) if r["split"] == "train"
+        ],
+        stop_process_1_log=(out / "process-1.log").read_text(),
+        stop_checkpoints=sorted(os.listdir(checkpoints)) if checkpoints.is_dir() else [],
+    )
+    if code == 128 + signal.SIGTERM:  # else the SIGTERM test fails, naming what happened
+        code, output = _finish(_launch(out, "--resume", start_new_session=True))
+        assert code == 0, output[-4000:]
+    return stopped
 
 
 def test_two_processes_equal_one_and_resume_in_one(two_process_run, tmp_path, train_config):
+    """The two-process run, stopped and resumed by two processes, has the losses of the
+    uninterrupted one-process run; its step-3 checkpoint, resumed by one process, too."""
+    run = two_process_run.out
+    assert two_process_run.stop_code == 128 + signal.SIGTERM, two_process_run.stop_output[-4000:]
     # the run of FLAGS
     config = dict(steps=STEPS, checkpoint_every=CHECKPOINT_EVERY, data="synthetic", mesh=MESH)
-    records = [
-        r for r in read_jsonl(str(two_process_run / "metrics.jsonl")) if r["split"] == "train"
-    ]
+    records = [r for r in read_jsonl(str(run / "metrics.jsonl")) if r["split"] == "train"]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert sorted(os.listdir(two_process_run / "checkpoints"))[:2] == ["3", "6"]
+    # the periodic checkpoints, and the one of the step the SIGTERM stopped at
+    stop = two_process_run.stop_logged[-1]
+    saved = sorted(int(name) for name in os.listdir(run / "checkpoints") if name.isdigit())
+    assert saved == sorted({stop, CHECKPOINT_EVERY, STEPS})
     # process 0 alone wrote the run's files; process 1 logged to its own
-    assert (two_process_run / "summary.json").exists()
-    assert (two_process_run / "process-1.log").exists()
+    assert (run / "summary.json").exists()
+    assert (run / "process-1.log").exists()
 
     single = train(MODEL, train_config(**config), out_dir=str(tmp_path / "one"))
     want = single.losses
@@ -116,26 +169,40 @@ def test_two_processes_equal_one_and_resume_in_one(two_process_run, tmp_path, tr
 
     # The step-3 checkpoint of the two processes, resumed by this one process on 8 devices.
     resumed_dir = tmp_path / "resumed"
-    shutil.copytree(two_process_run, resumed_dir)
-    shutil.rmtree(resumed_dir / "checkpoints" / str(STEPS))
+    shutil.copytree(run, resumed_dir)
+    for step in saved:
+        if step > CHECKPOINT_EVERY:
+            shutil.rmtree(resumed_dir / "checkpoints" / str(step))
     resumed = train(MODEL, train_config(**config, resume=True), out_dir=str(resumed_dir))
     assert [r["step"] for r in resumed.records] == list(range(CHECKPOINT_EVERY + 1, STEPS + 1))
     np.testing.assert_allclose(resumed.losses, want[CHECKPOINT_EVERY:], rtol=RTOL)
     np.testing.assert_allclose(resumed.expert_load, single.expert_load, rtol=RTOL)
 
 
+def test_sigterm_to_the_launcher_stops_both_at_one_saved_step(two_process_run):
+    """A preemption notice: SIGTERM to the launcher once training runs. Both processes stop
+    after the same step and save it, and the launcher exits with 143; resuming the two
+    processes from there gives the losses of the uninterrupted run
+    (`test_two_processes_equal_one_and_resume_in_one`)."""
+    stopped = two_process_run
+    output = stopped.stop_output
+    assert stopped.stop_code == 128 + signal.SIGTERM, output[-4000:]
+    assert "stopped by SIGTERM; continue with" in output
+    logged = stopped.stop_logged
+    stop = logged[-1]
+    assert 1 <= stop < STEPS and logged == list(range(1, stop + 1)), output[-4000:]
+    assert f"stopped by SIGTERM after step {stop}" in stopped.stop_process_1_log
+    assert str(stop) in stopped.stop_checkpoints
+
+
 def test_killing_one_process_ends_the_other(tmp_path):
     out = tmp_path / "run"
-    process = _launch(out, "--steps", "100000", start_new_session=True)
+    # one MoE layer, quicker to compile: what a step computes matters not to how a run ends
+    one_layer = ["--model.num-hidden-layers", "1", "--model.first-k-dense-replace", "0"]
+    process = _launch(out, "--steps", "100000", *one_layer, start_new_session=True)
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        pids_file = out / "local-processes.json"
-        # wait until training runs: process 0 has written a step's record
-        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").stat().st_size:
-            assert process.poll() is None, process.communicate()[1][-4000:]
-            assert time.monotonic() < deadline, "the run did not start"
-            time.sleep(0.5)
-        pids = json.loads(pids_file.read_text())["pids"]
+        _wait_for_a_step(process, out, poll_s=0.5)
+        pids = json.loads((out / "local-processes.json").read_text())["pids"]
         os.kill(pids[1], signal.SIGKILL)
         code, output = _finish(process, timeout=60)
     finally:
@@ -146,36 +213,3 @@ def test_killing_one_process_ends_the_other(tmp_path):
     assert "stopping the other processes" in output
     with pytest.raises(ProcessLookupError):
         os.kill(pids[0], 0)
-
-
-def test_sigterm_to_the_launcher_stops_both_at_one_saved_step(two_process_run, tmp_path):
-    """A preemption notice: SIGTERM to the launcher once training runs. Both processes stop
-    after the same step and save it, the launcher exits with 143, and resuming the two
-    processes from there gives the losses of the uninterrupted two-process run."""
-    out = tmp_path / "run"
-    process = _launch(out, start_new_session=True)
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").stat().st_size:
-            assert process.poll() is None, process.communicate()[1][-4000:]
-            assert time.monotonic() < deadline, "the run did not start"
-            time.sleep(0.2)
-        process.send_signal(signal.SIGTERM)
-        code, output = _finish(process, timeout=120)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert code == 128 + signal.SIGTERM, output[-4000:]
-    assert "stopped by SIGTERM; continue with" in output
-    logged = [r["step"] for r in read_jsonl(str(out / "metrics.jsonl")) if r["split"] == "train"]
-    stop = logged[-1]
-    assert 1 <= stop < STEPS and logged == list(range(1, stop + 1)), output[-4000:]
-    assert f"stopped by SIGTERM after step {stop}" in (out / "process-1.log").read_text()
-    assert str(stop) in os.listdir(out / "checkpoints")
-
-    code, output = _finish(_launch(out, "--resume", start_new_session=True))
-    assert code == 0, output[-4000:]
-    records = [r for r in read_jsonl(str(out / "metrics.jsonl")) if r["split"] == "train"]
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    want = [r for r in read_jsonl(str(two_process_run / "metrics.jsonl")) if r["split"] == "train"]
-    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in want], rtol=RTOL)
