@@ -25,7 +25,9 @@ from dropless.cli._run import run_name
 from dropless.train.loop import _distributed as distributed
 
 FLAG = "--local-processes"
-GRACE_S = 10.0  # how long a stopped child may take to exit before it is killed
+# How long a stopped child may take to exit before it is killed. Short: a child left waiting
+# in a collective by its failed peer never reaches the step at which JAX acts on a SIGTERM.
+GRACE_S = 3.0
 PROCESSES_FILE = "local-processes.json"  # the children's pids, for tools and tests
 
 
