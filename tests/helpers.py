@@ -9,6 +9,7 @@ targets) directly from the `_name` module that defines them."""
 
 import contextlib
 import dataclasses
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -148,6 +149,30 @@ def jaxtyping_disabled():
         yield
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)
+
+
+def mosaic_threads_compiled_once(monkeypatch) -> None:
+    """Mosaic GPU's interpreter runs a kernel's body in a thread for each warpgroup of each
+    thread block, compiling it in each thread and on every call with JAX 0.10 (a new function
+    each time misses jit's cache; JAX 0.12 makes it top-level). Here the threads and calls of
+    one traced kernel share one compiled body, compiled under a lock: the same program,
+    run in the same threads, in a third of the time."""
+    from jax._src import core as jax_core
+    from jax._src.pallas.mosaic.interpret import thread_map
+
+    lock, compiled = threading.Lock(), {}
+
+    def eval_jaxpr(jaxpr, consts, *args):
+        jax_core.eval_jaxpr(jaxpr, consts, *args)
+
+    def run_jaxpr(jaxpr, consts, *args):
+        with lock:
+            if jaxpr not in compiled:
+                traced = jax.jit(eval_jaxpr, static_argnums=0).trace(jaxpr, consts, *args)
+                compiled[jaxpr] = traced.lower().compile()
+        compiled[jaxpr](consts, *args)
+
+    monkeypatch.setattr(thread_map, "_run_jaxpr", run_jaxpr)
 
 
 def rel_err(ours, ref) -> float:

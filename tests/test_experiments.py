@@ -6,6 +6,7 @@ import json
 import pathlib
 
 import pytest
+from helpers import mosaic_threads_compiled_once
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
@@ -535,6 +536,7 @@ def test_swiglu_epilogue_bench_in_the_interpreter(tmp_path, monkeypatch):
     from dropless.backends.mosaic import _launch
 
     monkeypatch.setattr(_launch, "INTERPRET", None)  # main sets it; restored after the test
+    mosaic_threads_compiled_once(monkeypatch)
     rows = bench.main(["--interpret", "--cases", "128x64@3x40", "--out", str(tmp_path)])
     assert [r["case"] for r in rows] == ["128x64@3x40"]
     assert rows[0]["separate ms"] > 0 and rows[0]["fused ms"] > 0 and rows[0]["rel diff"] < 1e-2

@@ -401,26 +401,37 @@ def test_zero_computation_experts_equal_the_dense_reference(shape, output, befor
     bias = jnp.concatenate([jnp.zeros(e), jnp.full((z,), 0.2)])
     moe = eqx.tree_at(lambda m: m.router.expert_bias, moe, bias)
     x = jax.random.normal(jax.random.key(seed), (12, 8))
-
-    # compiled: the reference's per-expert loop runs op by op otherwise, 4-5x slower
-    @eqx.filter_jit
-    @eqx.filter_value_and_grad
-    def loss(moe, f):
-        return jnp.sum(jnp.sin(f(moe, x)))
-
-    got, got_grad = loss(moe, lambda m, x: m(x, seq_len=6)[0])
-    want, want_grad = loss(moe, dense_zero_reference)
+    (got, got_grad), (want, want_grad), stats, group_sizes = _zero_case(moe, x)
     np.testing.assert_allclose(got, want, **FP32)
     for g, w in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad), strict=True):
         np.testing.assert_allclose(g, w, **FP32)
-    _, stats = moe(x, seq_len=6, return_routing=True)
     ids = np.asarray(stats.expert_ids)
     assert stats.tokens_per_expert.shape == (e,) and stats.zero_tokens.shape == (z,)
     np.testing.assert_array_equal(stats.tokens_per_expert, np.bincount(ids[ids < e], minlength=e))
     np.testing.assert_array_equal(stats.zero_tokens, np.bincount(ids[ids >= e] - e, minlength=z))
     np.testing.assert_allclose(stats.active_experts, (ids < e).sum() / 12)
-    dispatched = moe.dispatcher.dispatch(x, computing_part(moe.router(x), e))
-    assert int(dispatched.group_sizes.sum()) == int((ids < e).sum())
+    assert int(group_sizes.sum()) == int((ids < e).sum())
+
+
+# Compiled, one program per layer shape and setting (module-level, so examples of the same
+# setting share it): op by op, the reference's per-expert loop runs 4-5x slower, and the
+# statistics and the dispatch compile each primitive apart.
+@eqx.filter_jit
+def _zero_case(moe, x):
+    """sum(sin(output)) and its gradients w.r.t. every weight, of the layer (`seq_len=6`) and
+    of `dense_zero_reference`; the layer's statistics with the routing; the group sizes of
+    dispatching the computing copies."""
+
+    @eqx.filter_value_and_grad
+    def loss(moe, f):
+        return jnp.sum(jnp.sin(f(moe, x)))
+
+    got = loss(moe, lambda m, x: m(x, seq_len=6)[0])
+    want = loss(moe, dense_zero_reference)
+    _, stats = moe(x, seq_len=6, return_routing=True)
+    n_experts = moe.experts.w_gate.shape[0]
+    dispatched = moe.dispatcher.dispatch(x, computing_part(moe.router(x), n_experts))
+    return got, want, stats, dispatched.group_sizes
 
 
 def test_zero_experts_bias_target_steers_active_compute():

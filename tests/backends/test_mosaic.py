@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mosaic_threads_compiled_once
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -24,12 +25,17 @@ def layouts(draw):
     return np.array(sizes), rows, tile_m
 
 
+# Compiled, a program per layout's shapes: op by op, each new shape compiles every primitive.
+_tile_schedule = jax.jit(mosaic.tile_schedule, static_argnums=(1, 2))
+_expert_segments = jax.jit(mosaic.expert_segments, static_argnums=(1, 2))
+
+
 @pytest.mark.slow
 @given(layouts())
 @example((np.array([3, 0, 200, 1]), 256, 128))  # a tile moved back to end at `rows`
 def test_schedule_covers_every_row_once_with_its_group(layout):
     sizes, rows, tile_m = layout
-    schedule, n_items = mosaic.tile_schedule(jnp.asarray(sizes, jnp.int32), rows, tile_m)
+    schedule, n_items = _tile_schedule(jnp.asarray(sizes, jnp.int32), rows, tile_m)
     group, row0, first, end = np.asarray(schedule)
     row0 = row0 * mosaic.ROW_ALIGN
     n = int(n_items[0])
@@ -64,7 +70,7 @@ def test_expert_segments_split_the_rows_at_group_starts(layout, segments):
     """The segmented weight gradient's runs of groups: they cover every group once, in order,
     and run s starts at the first group that starts at or past s / segments of the rows."""
     sizes, rows, _ = layout
-    first = np.asarray(mosaic.expert_segments(jnp.asarray(sizes, jnp.int32), rows, segments))
+    first = np.asarray(_expert_segments(jnp.asarray(sizes, jnp.int32), rows, segments))
     assert len(first) == segments + 1 and first[0] == 0 and first[-1] == len(sizes)
     assert (np.diff(first) >= 0).all()
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -79,6 +85,7 @@ def _interpret(monkeypatch):
     except ImportError as err:
         pytest.skip(f"this jaxlib has no Mosaic GPU interpreter: {err}")
     monkeypatch.setattr(_launch, "INTERPRET", InterpretGPUParams())
+    mosaic_threads_compiled_once(monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -126,7 +133,7 @@ def test_swiglu_kernel_equals_the_matmul_and_its_swiglu_in_the_interpreter(monke
     x = jax.random.normal(jax.random.key(0), (rows, k), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
     # two calls: a row or column left unstored keeps the first call's value (one with the
-    # scale, whose stores are the same code; the interpreter takes ~10 s a call)
+    # scale, whose stores are the same code; the interpreter takes ~3 s a call)
     for seed in (1,) if scaled else (1, 2):
         keys = jax.random.split(jax.random.key(seed))
         w_gate, w_up = (

@@ -51,11 +51,29 @@ def one_pass():
     return value_and_grad, params, batch, eqx.filter_jit(value_and_grad)(params, batch)
 
 
+@pytest.fixture(scope="module")
+def traced(one_pass):
+    """traced(micro_batches, grad_dtype): `accumulated` over the batch, traced once for the
+    module (its jaxpr is read, its program run): a trace of the model's gradient takes
+    seconds."""
+    value_and_grad, params, batch, _ = one_pass
+    cache = {}
+
+    def get(micro_batches, grad_dtype="float32"):
+        key = micro_batches, grad_dtype
+        if key not in cache:
+            run = accumulated(value_and_grad, micro_batches, grad_dtype=grad_dtype)
+            cache[key] = jax.jit(run).trace(params, batch)
+        return cache[key]
+
+    return get
+
+
 @pytest.mark.parametrize("micro_batches", [2, 4])
 @pytest.mark.slow
-def test_accumulated_gradients_equal_the_one_pass_gradients(one_pass, micro_batches):
-    value_and_grad, params, batch, ((loss, (terms, stats)), grads) = one_pass
-    run = eqx.filter_jit(accumulated(value_and_grad, micro_batches))
+def test_accumulated_gradients_equal_the_one_pass_gradients(one_pass, traced, micro_batches):
+    _, params, batch, ((loss, (terms, stats)), grads) = one_pass
+    run = traced(micro_batches).lower().compile()
     (m_loss, (m_terms, m_stats)), m_grads = run(params, batch)
 
     np.testing.assert_allclose(m_loss, loss, rtol=1e-5)
@@ -126,22 +144,19 @@ def test_eval_step_in_micro_batches_matches_one_pass():
 
 
 @pytest.mark.slow
-def test_gradients_sum_in_grad_accum_dtype(one_pass):
+def test_gradients_sum_in_grad_accum_dtype(one_pass, traced):
     """`grad_dtype="bfloat16"`: the scan over micro-batches carries the gradient sum in bf16
     (float32 by default); the mean comes back in the gradients' dtype, within bf16 rounding of
     the one-pass gradient."""
-    value_and_grad, params, batch, (_, grads) = one_pass
+    _, params, batch, (_, grads) = one_pass
 
     def carried_dtypes(grad_dtype):
-        run = accumulated(value_and_grad, 2, grad_dtype=grad_dtype)
-        jaxpr = jax.make_jaxpr(run)(params, batch)
-        (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+        (scan,) = [e for e in traced(2, grad_dtype).jaxpr.eqns if e.primitive.name == "scan"]
         return {v.aval.dtype for v in scan.outvars}
 
     assert jnp.dtype(jnp.bfloat16) not in carried_dtypes("float32")
     assert jnp.dtype(jnp.bfloat16) in carried_dtypes("bfloat16")
-    run = eqx.filter_jit(accumulated(value_and_grad, 2, grad_dtype="bfloat16"))
-    _, m_grads = run(params, batch)
+    _, m_grads = traced(2, "bfloat16").lower().compile()(params, batch)
     for g, m in zip(jax.tree.leaves(grads), jax.tree.leaves(m_grads), strict=True):
         assert m.dtype == g.dtype
         np.testing.assert_allclose(m, g, rtol=0, atol=2**-7 * float(jnp.abs(g).max()) + 1e-9)
