@@ -158,8 +158,13 @@ def mosaic_threads_compiled_once(monkeypatch) -> None:
     one traced kernel share one compiled body, compiled under a lock: the same program,
     run in the same threads, in a third of the time."""
     from jax._src import core as jax_core
-    from jax._src.pallas.mosaic.interpret import thread_map
 
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:  # a JAX laid out otherwise: the interpreter as it is
+        return
+    if not hasattr(thread_map, "_run_jaxpr"):
+        return
     lock, compiled = threading.Lock(), {}
 
     def eval_jaxpr(jaxpr, consts, *args):

@@ -75,6 +75,11 @@ def build(spec, shared, adversarial, seed, backend, **options):
     half = spec.n_routed_experts // 2
     if adversarial == "one_expert":  # every token chooses the same expert
         w = w.at[1, 0].set(12.0)
+        if moe.router.expert_bias is not None:
+            # sigmoid scores saturate at 1, so another group's best two can outscore expert 1's
+            # group; a choice bias of 2 keeps that group among the best for every token
+            bias = moe.router.expert_bias.at[1].set(2.0)
+            moe = eqx.tree_at(lambda m: m.router.expert_bias, moe, bias)
     elif adversarial == "empty_experts":  # the first half of the experts are never chosen
         w = w.at[:half].set(0.0).at[:half, 0].set(-12.0)
     moe = eqx.tree_at(lambda m: m.router.w_router, moe, w)
