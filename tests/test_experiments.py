@@ -122,6 +122,7 @@ def test_experiment_arguments_are_checked(tmp_path, capsys):
         load("expert_granularity").main([*SMALL, "--sweep", "8/2", "8/4", "--out", str(tmp_path)])
 
 
+@pytest.mark.slow
 def test_profile_attributes_time_to_named_scopes_and_directions(tmp_path):
     import jax
     import jax.numpy as jnp

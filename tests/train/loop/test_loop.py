@@ -270,6 +270,7 @@ def _leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
 
 
+@pytest.mark.slow
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, config):
     out = str(tmp_path)
     settings = config(steps=8, checkpoint_every=2)
@@ -382,6 +383,7 @@ def test_train_takes_the_data_opened_and_opens_none_itself(tmp_path, config, mon
     np.testing.assert_array_equal(given.losses, fresh.losses)
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(tmp_path, config):
     """Another process holds the run directory: `train` refuses it before writing anything,
     naming that process; once the holder dies (SIGKILL), the OS has released the lock."""
@@ -445,6 +447,7 @@ def test_resume_passes_over_broken_checkpoints_to_the_newest_intact_one(tmp_path
         train(TINY, bad_step, backend="jnp", out_dir=out)
 
 
+@pytest.mark.slow
 def test_an_absurd_update_is_never_saved_and_the_named_checkpoint_resumes(tmp_path, config):
     """At lr 1e6 the updates stay finite for a while (AdamW normalises the gradient) but
     replace the model; the step that does so is stopped before its checkpoint, and the

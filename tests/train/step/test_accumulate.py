@@ -132,6 +132,7 @@ def test_bad_micro_batches_are_clear_errors(changes, message):
         dataclasses.replace(TrainConfig(), **changes)
 
 
+@pytest.mark.slow
 def test_eval_step_in_micro_batches_matches_one_pass():
     model = DeepSeekV3(MODEL, key=jax.random.key(0))
     weights = hparams(TrainConfig())

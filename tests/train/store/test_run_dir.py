@@ -227,6 +227,7 @@ def test_a_checkpoint_removed_while_read_is_retried_with_the_newest(tmp_path, mo
 
 
 @orbax_failed_restore
+@pytest.mark.slow
 def test_eval_and_generate_fall_back_past_a_corrupt_checkpoint(tmp_path):
     """Row 14: the newest checkpoint's optimiser moment is corrupt; `load_run` (what eval and
     generate read) passes over it with a warning, as train --resume does; an asked-for step
