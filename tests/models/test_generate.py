@@ -277,7 +277,8 @@ def routed(model, tokens, replay=None):
     return out.logits, out.moe_stats.expert_ids
 
 
-@pytest.mark.parametrize("name", ["tiny", pytest.param("gpt-oss", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny", "gpt-oss"])
 def test_generate_records_the_routing_a_forward_replays(models, tokens, name):
     """Routing replay from sampling: `generate(return_routing=True)` records each token's
     expert choice as decoding made it (the tokens are those generated without recording); a
