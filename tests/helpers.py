@@ -9,6 +9,8 @@ targets) directly from the `_name` module that defines them."""
 
 import contextlib
 import dataclasses
+import importlib.util
+import pathlib
 import threading
 import warnings
 from collections.abc import Callable
@@ -178,6 +180,20 @@ def mosaic_threads_compiled_once(monkeypatch) -> None:
         compiled[jaxpr](consts, *args)
 
     monkeypatch.setattr(thread_map, "_run_jaxpr", run_jaxpr)
+
+
+def load_script(name: str):
+    """A script of experiments/ or benchmarks/ (where it is), as a module."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    folder = (
+        root / "experiments"
+        if (root / "experiments" / f"{name}.py").exists()
+        else root / "benchmarks"
+    )
+    spec = importlib.util.spec_from_file_location(f"{folder.name}_{name}", folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def rel_err(ours, ref) -> float:

@@ -1,28 +1,18 @@
 """Smoke tests: each scripted experiment runs end to end for a few steps and writes its files;
 the benchmark scripts run on toy shapes on the CPU."""
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
+from helpers import load_script as load
 from helpers import mosaic_threads_compiled_once
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXPERIMENTS = ROOT / "experiments"
 BENCHMARKS = ROOT / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 # Shared by every training script, so the train/eval steps compile once for the whole file.
 SMALL = ["--steps", "3", "--batch-size", "4", "--seq-len", "16"]
-
-
-def load(name: str):
-    """A script of experiments/ or benchmarks/ (where it is), as a module."""
-    folder = EXPERIMENTS if (EXPERIMENTS / f"{name}.py").exists() else BENCHMARKS
-    spec = importlib.util.spec_from_file_location(f"{folder.name}_{name}", folder / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def check_outputs(out: pathlib.Path, name: str, min_rows: int) -> list[dict]:

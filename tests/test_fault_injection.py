@@ -3,22 +3,13 @@
 
 import json
 import os
-import sys
 
 import pytest
+from helpers import load_script
 
 import dropless
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(dropless.__file__)))
-
-
-def _benchmark():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
-        import fault_injection
-    finally:
-        sys.path.pop(0)
-    return fault_injection
 
 
 @pytest.mark.slow
@@ -28,7 +19,7 @@ def test_killed_and_resumed_runs_match_an_uninterrupted_one(tmp_path):
     # a two-layer model without MTP compiles in half the time; no sample after the runs
     smaller = ["--model.num-hidden-layers", "2", "--model.num-nextn-predict-layers", "0"]
     # the script runs here (the runs it starts are what it tests); they import this checkout
-    _benchmark().main([*args, "--", "--no-sample", *smaller])
+    load_script("fault_injection").main([*args, "--", "--no-sample", *smaller])
     figures = json.loads(out.read_text())["rows"][0]
     assert figures["kills"] == 2 and figures["rounds"] >= 1
     assert figures["lost"] == figures["duplicated"] == figures["mismatches"] == 0
@@ -36,7 +27,7 @@ def test_killed_and_resumed_runs_match_an_uninterrupted_one(tmp_path):
 
 
 def test_check_counts_a_round_without_its_final_checkpoint(tmp_path):
-    fault_injection = _benchmark()
+    fault_injection = load_script("fault_injection")
     lines = [json.dumps({"split": "train", "step": s, "loss": 1.0}) for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "checkpoints" / "2").mkdir(parents=True)

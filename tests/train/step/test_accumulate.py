@@ -2,6 +2,7 @@
 one pass: the same gradients, losses and expert loads."""
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
@@ -57,14 +58,11 @@ def traced(one_pass):
     module (its jaxpr is read, its program run): a trace of the model's gradient takes
     seconds."""
     value_and_grad, params, batch, _ = one_pass
-    cache = {}
 
+    @functools.cache
     def get(micro_batches, grad_dtype="float32"):
-        key = micro_batches, grad_dtype
-        if key not in cache:
-            run = accumulated(value_and_grad, micro_batches, grad_dtype=grad_dtype)
-            cache[key] = jax.jit(run).trace(params, batch)
-        return cache[key]
+        run = accumulated(value_and_grad, micro_batches, grad_dtype=grad_dtype)
+        return jax.jit(run).trace(params, batch)
 
     return get
 
