@@ -252,6 +252,7 @@ def test_unrolled_layers_keep_values_and_gradients(remat, model, tokens, value_a
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_weights_before_down_keeps_values_and_gradients(model, tokens, value_and_grad):
     config = model.config.replace(moe_weights_before_down=True)
     early = DeepSeekV3(config, key=jax.random.key(0))

@@ -292,6 +292,7 @@ def init_state_like(config):
     return init_state(DeepSeekV3(TINY, key=jax.random.key(0)), config())
 
 
+@pytest.mark.slow
 def test_token_file_training_and_out_of_vocabulary_ids(tmp_path, config):
     good = tmp_path / "good.bin"
     np.random.default_rng(0).integers(0, 512, 5000).astype(np.uint16).tofile(good)
