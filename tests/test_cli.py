@@ -37,8 +37,12 @@ SMALL_RUN = [
 ]  # fmt: skip
 # Where the preset's architecture is not what a test checks: two layers and no MTP module,
 # which compile in half the time.
-SMALLER = ["--model.num-hidden-layers", "2", "--model.num-nextn-predict-layers", "0"]
 SMALLER_FIELDS = dict(num_hidden_layers=2, num_nextn_predict_layers=0)
+SMALLER = [
+    arg
+    for field, value in SMALLER_FIELDS.items()
+    for arg in (f"--model.{field.replace('_', '-')}", str(value))
+]
 
 
 def _is_png(path) -> bool:

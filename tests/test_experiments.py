@@ -50,10 +50,10 @@ def test_experiment_runs(name, tmp_path):
 
 @pytest.mark.slow
 def test_experiment_runs_on_real_text(tmp_path):
-    """`--data stdlib`, through _common.py's train_config and fit_to_data, which every
-    training script with `--data` opens its data with."""
+    """`--data stdlib`: every training script opens its data through _common.py's
+    train_config and fit_to_data, so one script's run on real text stands for all."""
     name = "load_balance"
-    argv = [*SMALL, "--data", "stdlib", *CASES[name][0][len(SMALL) :][:2], "--out", str(tmp_path)]
+    argv = [*SMALL, "--data", "stdlib", "--only", "none", "--out", str(tmp_path)]
     load(name).main(argv)
     check_outputs(tmp_path, name, 1)
     meta = json.loads((tmp_path / f"{name}.json").read_text())["meta"]
